@@ -1,0 +1,52 @@
+"""Loads the CUDA extension selscan_fused._C and explains, when it cannot, why and how to rebuild."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_C = None
+_load_error: BaseException | None = None
+
+try:
+    from . import _C  # noqa: F401  (registers the torch.ops.selscan_fused.* CUDA ops)
+except (ImportError, OSError) as e:  # not built, or built against another torch
+    _load_error = e
+
+REBUILD_COMMAND = (
+    f"pip install --no-build-isolation --no-deps --force-reinstall {Path(__file__).resolve().parent.parent}"
+    "   (in a checkout: pip install --no-build-isolation -e .)"
+)
+
+
+def extension_available() -> bool:
+    """True when the CUDA ops are registered (the extension was built and loads with this torch)."""
+    return _C is not None
+
+
+def build_info() -> dict:
+    """What the extension was built against (empty when it was never built)."""
+    try:
+        from . import _build_info
+    except ImportError:
+        return {}
+    return {k: v for k, v in vars(_build_info).items() if k.isupper()}
+
+
+def extension_error_message(impl: str) -> str:
+    info = build_info()
+    if not info:
+        why = ("the package was installed without it (no CUDA toolkit found at build time, "
+               "or SELSCAN_SKIP_CUDA=1)")
+    elif info.get("TORCH_VERSION") != torch.__version__:
+        why = (f"it was built against torch {info.get('TORCH_VERSION')} but torch {torch.__version__} "
+               f"is installed ({_load_error})")
+    else:
+        why = str(_load_error)
+    return (f"selscan_fused: impl='{impl}' needs the CUDA extension selscan_fused._C, which did not load: "
+            f"{why}. Rebuild it against the installed torch with:\n    {REBUILD_COMMAND}")
+
+
+def require_extension(impl: str) -> None:
+    if _C is None:
+        raise RuntimeError(extension_error_message(impl))

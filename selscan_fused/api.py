@@ -1,0 +1,162 @@
+"""The public functional API: selective_scan(), with argument checks that name the bad argument and
+the choice between the reference, the unfused path and (later) the fused kernel."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from . import _ops  # noqa: F401  (fake implementations and autograd registration)
+from ._extension import extension_available, require_extension
+from .reference import selective_scan_ref
+
+IMPLS = ("auto", "fused", "unfused", "reference")
+CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+UNFUSED_DSTATES = (8, 16, 32, 64)
+UNFUSED_DIM_MULTIPLE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    """Ablation switches (0 means: chosen by the library's measured defaults).
+
+    l_segments: how many segments each sequence's L is cut into, so that CTAs along L share the work
+        (the state is carried between them inside the launch). 0 = automatic: split only when
+        batch x channel tiles cannot fill the GPU.
+    """
+
+    l_segments: int = 0
+
+
+DEFAULT_CONFIG = ScanConfig()
+
+
+def _shape_error(name: str, t: torch.Tensor, expected: tuple) -> ValueError:
+    exp = "(" + ", ".join(str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
+    return ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {exp}")
+
+
+def _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
+    named = {"x": x, "A_log": A_log, "W_delta": W_delta, "b_delta": b_delta, "W_B": W_B, "W_C": W_C, "D": D}
+    if h0 is not None:
+        named["h0"] = h0
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"selscan_fused: x must have shape (batch, L, D), got {tuple(x.shape)}")
+    if A_log.dim() != 2:
+        raise ValueError(f"selscan_fused: A_log must have shape (D, N), got {tuple(A_log.shape)}")
+    batch, _, Dm = x.shape
+    N = A_log.shape[1]
+    expected = {"A_log": (Dm, N), "W_delta": (Dm, Dm), "b_delta": (Dm,), "W_B": (N, Dm), "W_C": (N, Dm),
+                "D": (Dm,), "h0": (batch, Dm, N)}
+    for name, t in named.items():
+        if name != "x" and tuple(t.shape) != expected[name]:
+            raise _shape_error(name, t, expected[name])
+    for name, t in named.items():
+        if t.device != x.device:
+            raise ValueError(f"selscan_fused: {name} is on {t.device} but x is on {x.device}; "
+                             "all tensors must be on the same device")
+    if x.dtype not in CUDA_DTYPES + (torch.float64,):
+        raise TypeError(f"selscan_fused: x has dtype {x.dtype}; supported: float32, bfloat16, float16 "
+                        "(and float64 with impl='reference')")
+
+
+def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
+    """Why `impl` cannot run these inputs, or None when it can. impl: 'unfused' or 'fused'."""
+    if impl == "fused":
+        return "the fused kernel is not built yet (issue 3); use impl='unfused'"
+    if not x.is_cuda:
+        return f"x is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
+    if x.dtype not in CUDA_DTYPES:
+        return (f"x has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
+                "(impl='reference' also takes float64)")
+    if d_state not in UNFUSED_DSTATES:
+        return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
+                f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
+    if x.shape[2] % UNFUSED_DIM_MULTIPLE != 0:
+        return (f"d_model D = {x.shape[2]} is not supported by impl='{impl}' (D must be a multiple of "
+                f"{UNFUSED_DIM_MULTIPLE}); use impl='reference'")
+    if not extension_available():
+        return None  # require_extension() explains this one
+    return None
+
+
+def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
+    """The path selective_scan() takes for these inputs: 'auto' becomes the fastest that supports them."""
+    if impl not in IMPLS:
+        raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if not x.is_cuda or x.dtype == torch.float64:
+        return "reference"
+    for candidate in ("fused", "unfused"):
+        if extension_available() and unsupported_reason(candidate, x, d_state) is None:
+            return candidate
+    if not extension_available():
+        require_extension("auto")  # a CUDA tensor but no extension: say why and how to rebuild
+    return "reference"
+
+
+def selective_scan(
+    x: torch.Tensor,
+    A_log: torch.Tensor,
+    W_delta: torch.Tensor,
+    b_delta: torch.Tensor,
+    W_B: torch.Tensor,
+    W_C: torch.Tensor,
+    D: torch.Tensor,
+    *,
+    h0: torch.Tensor | None = None,
+    return_final_state: bool = False,
+    impl: str = "auto",
+    config: ScanConfig | None = None,
+):
+    """Selective state-space scan (Mamba-1 style, full-rank delta projection); see selscan_fused.reference
+    for the math and every tensor's shape.
+
+    Returns y (batch, L, D) in x's dtype, or (y, final_state) with final_state (batch, D, N) float32
+    (float64 for impl='reference' on float64 x) when return_final_state is True.
+
+    Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
+    in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
+    follow torch.get_float32_matmul_precision(). Under torch.autocast (CUDA), float32 x and the weights
+    are cast to the autocast dtype first, as torch.nn.functional.linear would.
+
+    impl: 'reference' (plain PyTorch, any device), 'unfused' (cuBLAS projections + this project's scan
+    kernel), 'fused' (one kernel; not built yet), 'auto' (the fastest of these that supports the inputs;
+    on CPU or float64: the reference). resolve_impl() tells which one 'auto' picks.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
+    _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+    cfg = DEFAULT_CONFIG if config is None else config
+    if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        x = x.to(torch.get_autocast_dtype("cuda"))
+    N = A_log.shape[1]
+    chosen = resolve_impl(impl, x, N)
+    if impl == "auto" and chosen == "reference" and x.is_cuda:
+        warnings.warn("selscan_fused: no CUDA path supports these inputs "
+                      f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
+    # Parameter dtypes: weights in x's dtype, the rest float32 (the reference keeps float64 for float64 x).
+    pdt = torch.float64 if (chosen == "reference" and x.dtype == torch.float64) else torch.float32
+    W_delta, W_B, W_C = W_delta.to(x.dtype), W_B.to(x.dtype), W_C.to(x.dtype)
+    A_log, b_delta, D = A_log.to(pdt), b_delta.to(pdt), D.to(pdt)
+    if h0 is not None:
+        h0 = h0.to(pdt)
+
+    if chosen == "reference":
+        with torch.autocast(x.device.type, enabled=False):
+            y, h = selective_scan_ref(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+    else:
+        reason = unsupported_reason(chosen, x, N)
+        if reason is not None:
+            raise ValueError(f"selscan_fused: {reason}")
+        require_extension(chosen)
+        y, h = torch.ops.selscan_fused.unfused_fwd(
+            x, A_log, W_delta, b_delta, W_B, W_C, D, h0, bool(return_final_state), int(cfg.l_segments))
+    return (y, h) if return_final_state else y

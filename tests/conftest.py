@@ -1,0 +1,97 @@
+"""Shared helpers: fresh random inputs, the float64 evaluation, poisoned allocations, tolerances."""
+import os
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import selscan_fused  # noqa: E402
+from selscan_fused.reference import selective_scan_ref  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none visible: GPU tests skip)")
+requires_extension = pytest.mark.skipif(
+    not selscan_fused.extension_available(),
+    reason="the CUDA extension selscan_fused._C is not built/loadable here")
+requires_hopper = pytest.mark.skipif(
+    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU (H100/H200) for the fused kernel")
+
+# SPEC.md bounds on the relative L2 error against the float64 evaluation.
+TOLERANCE = {
+    "float32-highest": 1e-5,
+    "float32-high": 1e-3,
+    "bfloat16": 1e-2,
+    "float16": 3e-3,
+}
+DTYPES = {
+    "float32-highest": torch.float32,
+    "float32-high": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@contextmanager
+def matmul_precision(mode: str):
+    """'float32-high' runs under torch.set_float32_matmul_precision('high'), the rest under 'highest'."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if mode == "float32-high" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def fresh_seed() -> int:
+    """A new seed for every call (fresh inputs every run), printed so that a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"seed={seed}")
+    return seed
+
+
+def make_inputs(batch, L, Dm, N, dtype=torch.float32, device="cpu", with_h0=False):
+    """Random layer inputs with the original model's initialisation scales (never zeros)."""
+    bound = Dm ** -0.5
+    u = lambda *s: (torch.rand(*s, device=device) * 2 - 1) * bound  # nn.Linear default init
+    inp = dict(
+        x=torch.randn(batch, L, Dm, device=device).to(dtype),
+        A_log=torch.randn(Dm, N, device=device),
+        W_delta=u(Dm, Dm).to(dtype),
+        b_delta=u(Dm),
+        W_B=u(N, Dm).to(dtype),
+        W_C=u(N, Dm).to(dtype),
+        D=torch.randn(Dm, device=device),
+    )
+    inp["h0"] = torch.randn(batch, Dm, N, device=device) if with_h0 else None
+    return inp
+
+
+def float64_eval(inp):
+    """The float64 evaluation of SPEC.md: the same (already rounded) values, everything in float64."""
+    f = {k: (v.double() if v is not None else None) for k, v in inp.items()}
+    return selective_scan_ref(f["x"], f["A_log"], f["W_delta"], f["b_delta"], f["W_B"], f["W_C"], f["D"], f["h0"])
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def call(inp, impl, **kw):
+    return selscan_fused.selective_scan(
+        inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"],
+        h0=inp["h0"], impl=impl, **kw)
+
+
+@pytest.fixture
+def poisoned_outputs():
+    """The CUDA ops fill their outputs with NaN before launching while this fixture is active, so an
+    element the kernel never writes stays NaN (the inputs never produce NaN)."""
+    torch.ops.selscan_fused.set_poison_outputs(True)
+    yield
+    torch.ops.selscan_fused.set_poison_outputs(False)
