@@ -1,0 +1,46 @@
+// Device helpers shared by the unfused scan and the fused kernel: the exponential and softplus used by
+// every path, and conversions between the storage types and float.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace selscan {
+
+// log2(e): A is pre-scaled by it so that exp(delta * A) costs one MUFU.EX2.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; flushes denormal results to zero).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// softplus as torch.nn.functional.softplus (beta 1, threshold 20): v for v > 20, else log(1 + e^v).
+// Two MUFU operations; below v = -15 log1p(e) = e to within e^2/2 < 1e-13, which avoids 1 + e rounding.
+// NaN propagates (every comparison with NaN is false and the last branch computes with it).
+__device__ __forceinline__ float softplus(float v) {
+  const float e = ex2_approx(v * kLog2e);
+  const float l = lg2_approx(1.f + e) * kLn2;
+  return v > 20.f ? v : (v < -15.f ? e : l);
+}
+
+template <class T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <class T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+}  // namespace selscan

@@ -1,0 +1,64 @@
+// Host entry points of the unfused scan: the L-split plan and the dtype dispatch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "scan_api.h"
+#include "scan_kernel.cuh"
+
+namespace selscan {
+
+namespace {
+
+cudaError_t occupancy(DType dtype, int64_t dstate, int device, int* blocks, int* dc) {
+  switch (dtype) {
+    case DType::kFloat32: return scan::Dispatch<float>::occupancy(dstate, device, blocks, dc);
+    case DType::kBFloat16: return scan::Dispatch<__nv_bfloat16>::occupancy(dstate, device, blocks, dc);
+    case DType::kFloat16: return scan::Dispatch<__half>::occupancy(dstate, device, blocks, dc);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int device, ScanLaunchInfo* out) {
+  constexpr int64_t kChunk = 32;        // tokens per chunk (Traits::kT)
+  constexpr int64_t kMinSegment = 256;  // shortest segment the automatic plan makes
+  int blocks = 0, dc = 0, sms = 0;
+  SELSCAN_RETURN_IF_ERROR(occupancy(p.dtype, p.dstate, device, &blocks, &dc));
+  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
+  const int64_t max_segments = (seqlen + kChunk - 1) / kChunk;
+  const int64_t items_per_segment = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
+  int64_t n = 1;
+  if (requested_segments > 0) {
+    n = std::min(requested_segments, max_segments);
+  } else if (items_per_segment < int64_t(sms)) {
+    // Too few (sequence, channel tile) items to give every SM a CTA: split L until the resident
+    // capacity is covered, but keep segments long enough that the second pass stays a small share.
+    // (Measured on the H200: with one item per SM or more, splitting costs more than it gains.)
+    const int64_t capacity = int64_t(std::max(blocks, 1)) * sms;
+    n = (capacity + items_per_segment - 1) / items_per_segment;
+    n = std::min(n, std::max<int64_t>(1, seqlen / kMinSegment));
+  }
+  n = std::max<int64_t>(n, 1);
+  int64_t seg_len = (seqlen + n - 1) / n;
+  seg_len = (seg_len + kChunk - 1) / kChunk * kChunk;
+  out->seg_len = seg_len;
+  out->n_segments = (seqlen + seg_len - 1) / seg_len;
+  return cudaSuccess;
+}
+
+cudaError_t scan_launch(const ScanParams& p, cudaStream_t stream) {
+  if (p.n_segments < 1 || p.seg_len < 1 || (p.n_segments > 1 && p.workspace == nullptr))
+    return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kFloat32: return scan::Dispatch<float>::launch(p, stream);
+    case DType::kBFloat16: return scan::Dispatch<__nv_bfloat16>::launch(p, stream);
+    case DType::kFloat16: return scan::Dispatch<__half>::launch(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace selscan

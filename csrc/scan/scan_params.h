@@ -1,0 +1,49 @@
+// Parameters of the standalone scan kernel of the unfused path (csrc/scan/scan_kernel.cuh).
+//
+// The unfused path computes proj = x . [W_delta; W_B; W_C]^T with one library matrix product, so that
+// each token's row of `proj` holds [delta_pre (dim) | B (dstate) | C (dstate)]. The scan kernel reads
+// that buffer, x and the per-channel parameters and writes y and (optionally) the final state.
+// Every offset is computed in 64 bits; counts are in elements.
+#pragma once
+#include <cstdint>
+#include "../common/dtype.h"
+
+namespace selscan {
+
+struct ScanParams {
+  // Sizes.
+  int64_t batch = 0;    // number of sequences
+  int64_t seqlen = 0;   // L, tokens per sequence
+  int64_t dim = 0;      // D, channels (d_model)
+  int64_t dstate = 0;   // N, states per channel
+  DType dtype = DType::kFloat32;  // element type of proj, x and y
+
+  // Inputs. Token r = b * seqlen + t is row r of proj, x and y.
+  const void* __restrict__ proj = nullptr;  // (batch*seqlen, proj_stride): [delta_pre | B | C], dtype
+  int64_t proj_stride = 0;                  // elements between consecutive rows of proj (>= dim + 2N)
+  const void* __restrict__ x = nullptr;     // (batch*seqlen, dim), rows contiguous, dtype
+  const float* __restrict__ A_log = nullptr;    // (dim, dstate); A = -exp(A_log)
+  const float* __restrict__ b_delta = nullptr;  // (dim,), added to delta_pre before softplus
+  const float* __restrict__ D = nullptr;        // (dim,), skip connection
+  const float* __restrict__ h0 = nullptr;       // (batch, dim, dstate) initial state, or null for zeros
+
+  // Outputs.
+  void* __restrict__ y = nullptr;               // (batch*seqlen, dim), dtype
+  float* __restrict__ final_state = nullptr;    // (batch, dim, dstate), or null when not asked for
+
+  // Splitting L. The tokens of a sequence are cut into n_segments segments of seg_len tokens (the last
+  // may be shorter). With more than one segment the kernel runs as a cooperative launch: a first phase
+  // scans every segment but the last from a zero state and stores its end state and sum of delta in the
+  // workspace, a grid-wide barrier, then each segment combines its predecessors into its true start
+  // state and scans again writing y. Deterministic: fixed combine order, no atomics.
+  int64_t n_segments = 1;
+  int64_t seg_len = 0;
+  float* __restrict__ workspace = nullptr;  // scan_workspace_floats(...) floats, uninitialised is fine
+};
+
+// Floats of workspace the launch needs (0 when n_segments == 1).
+inline int64_t scan_workspace_floats(int64_t batch, int64_t dim, int64_t dstate, int64_t n_segments) {
+  return n_segments > 1 ? (n_segments - 1) * batch * dim * (dstate + 1) : 0;
+}
+
+}  // namespace selscan

@@ -1,0 +1,254 @@
+"""The unfused path (cuBLAS projections + this project's scan kernel) against the float64 evaluation,
+and as a torch op: opcheck, torch.compile, CUDA graphs, the current stream, bad input. GPU only."""
+import pytest
+import torch
+from torch import nn
+
+import selscan_fused
+from selscan_fused import ScanConfig
+from conftest import (DTYPES, TOLERANCE, call, float64_eval, fresh_seed, make_inputs, matmul_precision,
+                      rel_l2, requires_cuda, requires_extension)
+
+pytestmark = [requires_cuda, requires_extension]
+
+# (batch, L, D, N): L = 1, 7, 1000, 4097; batch 1 and 3; D from 64 to 2048; N = 8, 16, 32, 64.
+SHAPES = [
+    (1, 1, 64, 16),
+    (3, 7, 128, 8),
+    (1, 1000, 256, 32),
+    (3, 1000, 1024, 8),
+    (3, 4097, 64, 16),
+    (1, 4097, 2048, 16),
+    (3, 7, 2048, 32),
+    (1, 1000, 520, 64),  # D not a multiple of any channel tile
+    (3, 1, 96, 16),
+]
+
+
+def check_against_float64(inp, y, h, mode):
+    y64, h64 = float64_eval(inp)
+    assert y.dtype == inp["x"].dtype and y.shape == inp["x"].shape
+    assert h.dtype == torch.float32 and h.shape == h64.shape
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite elements in y"
+    assert torch.isfinite(h).all(), "unwritten (NaN-poisoned) or non-finite elements in the final state"
+    ey, eh = rel_l2(y, y64), rel_l2(h, h64)
+    print(f"{mode}: rel err y={ey:.2e} final state={eh:.2e} (bound {TOLERANCE[mode]:.0e})")
+    assert ey < TOLERANCE[mode] and eh < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", list(TOLERANCE))
+@pytest.mark.parametrize("with_h0", [False, True], ids=["h0=0", "h0"])
+def test_unfused_matches_float64(shape, mode, with_h0, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(*shape, dtype=DTYPES[mode], device="cuda", with_h0=with_h0)
+        y, h = call(inp, "unfused", return_final_state=True)
+    check_against_float64(inp, y, h, mode)
+
+
+@pytest.mark.parametrize("l_segments", [1, 2, 5, 64])
+@pytest.mark.parametrize("mode", ["float32-highest", "bfloat16"])
+def test_unfused_split_along_L(l_segments, mode, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, 3001, 256, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        n_seg, seg_len = torch.ops.selscan_fused.scan_plan(inp["x"], 16, l_segments)
+        # at most l_segments: the segment length is rounded up to whole chunks of tokens
+        assert (n_seg == 1) == (l_segments == 1) and n_seg <= l_segments and n_seg * seg_len >= 3001
+        y, h = call(inp, "unfused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+    check_against_float64(inp, y, h, mode)
+
+
+def test_long_sequence_fills_the_gpu(poisoned_outputs):
+    """S4-like: one sequence of 65,537 tokens; the automatic plan splits L across CTAs."""
+    fresh_seed()
+    inp = make_inputs(1, 65537, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    n_seg, seg_len = torch.ops.selscan_fused.scan_plan(inp["x"], 16, 0)
+    assert n_seg >= 16, (n_seg, seg_len)
+    y, h = call(inp, "unfused", return_final_state=True)
+    check_against_float64(inp, y, h, "bfloat16")
+
+
+def test_scan_kernel_alone(poisoned_outputs):
+    fresh_seed()
+    inp = make_inputs(2, 777, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    W = torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]])
+    proj = inp["x"] @ W.T
+    y, h = torch.ops.selscan_fused.scan_fwd(proj, inp["x"], inp["A_log"], inp["b_delta"], inp["D"], inp["h0"],
+                                            True, 0)
+    check_against_float64(inp, y, h, "bfloat16")
+
+
+@pytest.mark.parametrize("l_segments", [1, 8])
+def test_deterministic(l_segments):
+    fresh_seed()
+    inp = make_inputs(2, 2500, 512, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    cfg = ScanConfig(l_segments=l_segments)
+    y1, h1 = call(inp, "unfused", return_final_state=True, config=cfg)
+    y2, h2 = call(inp, "unfused", return_final_state=True, config=cfg)
+    assert torch.equal(y1, y2) and torch.equal(h1, h2)
+
+
+def test_final_state_not_requested_returns_y_only():
+    inp = make_inputs(2, 10, 64, 16, dtype=torch.bfloat16, device="cuda")
+    y = call(inp, "unfused")
+    assert isinstance(y, torch.Tensor) and y.shape == (2, 10, 64)
+
+
+def test_non_contiguous_and_misaligned_x(poisoned_outputs):
+    fresh_seed()
+    inp = make_inputs(3, 100, 128, 16, dtype=torch.bfloat16, device="cuda")
+    base = torch.randn(3, 128, 100, device="cuda").to(torch.bfloat16)
+    inp["x"] = base.transpose(1, 2)  # non-contiguous view
+    y, h = call(inp, "unfused", return_final_state=True)
+    check_against_float64(inp, y, h, "bfloat16")
+    flat = torch.randn(3 * 100 * 128 + 1, device="cuda").to(torch.bfloat16)
+    inp["x"] = flat[1:].view(3, 100, 128)  # contiguous but 2 bytes off 16-byte alignment
+    y, h = call(inp, "unfused", return_final_state=True)
+    check_against_float64(inp, y, h, "bfloat16")
+
+
+def test_empty_inputs():
+    inp = make_inputs(0, 5, 64, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    y, h = call(inp, "unfused", return_final_state=True)
+    assert y.shape == (0, 5, 64) and h.shape == (0, 64, 16)
+    inp = make_inputs(2, 0, 64, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    y, h = call(inp, "unfused", return_final_state=True)
+    assert y.shape == (2, 0, 64)
+    torch.testing.assert_close(h, inp["h0"])
+
+
+def test_nan_and_inf_propagate_as_in_reference():
+    fresh_seed()
+    inp = make_inputs(2, 50, 64, 16, dtype=torch.float32, device="cuda")
+    inp["x"][1, 20, 5] = float("nan")
+    inp["D"][3] = float("inf")
+    y = call(inp, "unfused")
+    y_ref = call(inp, "reference")
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    assert torch.equal(torch.isinf(y), torch.isinf(y_ref))
+
+
+def test_bad_input_on_cuda():
+    inp = make_inputs(2, 5, 64, 16, device="cuda")
+    bad = dict(inp, W_delta=inp["W_delta"].cpu())
+    with pytest.raises(ValueError, match="W_delta is on cpu but x is on cuda"):
+        call(bad, "unfused")
+    bad = {k: (v.double() if v is not None else None) for k, v in inp.items()}
+    with pytest.raises(ValueError, match="x has dtype torch.float64; impl='unfused' takes"):
+        call(bad, "unfused")
+    assert call(bad, "auto").dtype == torch.float64  # auto: only the reference takes float64
+    odd_n = make_inputs(2, 5, 64, 12, device="cuda")
+    with pytest.raises(ValueError, match="d_state N = 12 is not supported by impl='unfused'"):
+        call(odd_n, "unfused")
+    odd_d = make_inputs(2, 5, 100, 16, device="cuda")
+    with pytest.raises(ValueError, match="d_model D = 100 is not supported by impl='unfused'"):
+        call(odd_d, "unfused")
+    with pytest.warns(UserWarning, match="runs the slow reference"):
+        call(odd_d, "auto")
+    # The raw op checks too (it can be called directly through torch.ops).
+    with pytest.raises(RuntimeError, match="W_B has shape"):
+        torch.ops.selscan_fused.unfused_fwd(inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"],
+                                           inp["W_B"][:3], inp["W_C"], inp["D"], None, False, 0)
+    with pytest.raises(RuntimeError, match="x has dtype Double"):
+        torch.ops.selscan_fused.unfused_fwd(bad["x"], inp["A_log"], bad["W_delta"], inp["b_delta"],
+                                           bad["W_B"], bad["W_C"], inp["D"], None, False, 0)
+
+
+def test_auto_picks_unfused_on_cuda():
+    x = torch.randn(1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    assert selscan_fused.resolve_impl("auto", x, 16) == "unfused"
+
+
+def _op_args(dtype=torch.bfloat16):
+    inp = make_inputs(2, 33, 64, 16, dtype=dtype, device="cuda", with_h0=True)
+    return inp, (inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"],
+                 inp["h0"], True, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_opcheck(dtype):
+    inp, args = _op_args(dtype)
+    torch.library.opcheck(torch.ops.selscan_fused.unfused_fwd.default, args)
+    proj = inp["x"] @ torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]]).T
+    torch.library.opcheck(torch.ops.selscan_fused.scan_fwd.default,
+                          (proj, inp["x"], inp["A_log"], inp["b_delta"], inp["D"], inp["h0"], False, 2))
+
+
+def test_torch_compile_fullgraph():
+    fresh_seed()
+    layer = selscan_fused.SelectiveScan(128, 16, impl="unfused").cuda()
+    x = torch.randn(2, 300, 128, device="cuda", dtype=torch.bfloat16)
+    h0 = torch.randn(2, 128, 16, device="cuda")
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        y_c, h_c = compiled(x, h0=h0, return_final_state=True)
+        y_e, h_e = layer(x, h0=h0, return_final_state=True)
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+    torch.testing.assert_close(h_c, h_e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("l_segments", [1, 6])
+def test_cuda_graph_capture_and_replay(l_segments, poisoned_outputs):
+    fresh_seed()
+    Dm, N = 256, 16
+    layer = selscan_fused.SelectiveScan(Dm, N, impl="unfused", config=ScanConfig(l_segments=l_segments))
+    layer = layer.cuda().to(torch.bfloat16)
+    static_x = torch.randn(2, 1500, Dm, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(s):
+        for _ in range(2):
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        static_y, static_h = layer(static_x, return_final_state=True)
+    for _ in range(2):
+        static_x.copy_(torch.randn_like(static_x))
+        g.replay()
+        inp = dict(x=static_x, A_log=layer.A_log, W_delta=layer.proj_delta.weight, b_delta=layer.proj_delta.bias,
+                   W_B=layer.proj_B.weight, W_C=layer.proj_C.weight, D=layer.D, h0=None)
+        inp = {k: (v.detach().float() if (v is not None and k not in ("x", "W_delta", "W_B", "W_C")) else v)
+               for k, v in inp.items()}
+        check_against_float64(inp, static_y, static_h, "bfloat16")
+
+
+def test_runs_on_the_current_stream():
+    fresh_seed()
+    Dm = 256
+    lin = nn.Linear(Dm, Dm, device="cuda")
+    layer = selscan_fused.SelectiveScan(Dm, 16, impl="unfused").cuda()
+    inp = torch.randn(4, 2048, Dm, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # keeps `side` busy: a launch on another stream would race the Linear
+        x = lin(inp)
+        y = layer(x)
+    side.synchronize()
+    with torch.no_grad():
+        y_ref = layer(lin(inp))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+
+
+def test_autocast_bf16():
+    fresh_seed()
+    layer = selscan_fused.SelectiveScan(128, 16, impl="unfused").cuda()
+    x = torch.randn(2, 200, 128, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    inp = dict(x=x.bfloat16(), A_log=layer.A_log.detach(), W_delta=layer.proj_delta.weight.detach().bfloat16(),
+               b_delta=layer.proj_delta.bias.detach(), W_B=layer.proj_B.weight.detach().bfloat16(),
+               W_C=layer.proj_C.weight.detach().bfloat16(), D=layer.D.detach(), h0=None)
+    y64, _ = float64_eval(inp)
+    assert rel_l2(y, y64) < TOLERANCE["bfloat16"]
+
+
+def test_backward_raises_clearly():
+    layer = selscan_fused.SelectiveScan(64, 16, impl="unfused").cuda()
+    y = layer(torch.randn(1, 8, 64, device="cuda"))
+    with pytest.raises(NotImplementedError, match="backward pass of the CUDA paths"):
+        y.sum().backward()
