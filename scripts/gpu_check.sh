@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU check: on a fresh H100/H200 machine with no package registry, build the extension, run the
+# whole test suite (GPU tests included) and the benchmark, write the logs to the folder given, and
+# print a short summary last.
+#
+#   scripts/gpu_check.sh LOGDIR [benchmark args...]
+#
+# Needs: python3 with torch (CUDA build), pytest, ninja, nvcc. CUTLASS comes from the nvidia-cutlass
+# wheel: installed already, or carried as .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (no registry
+# needed), or a checkout named by SELSCAN_CUTLASS_DIR.
+# SELSCAN_PREBUILT=DIR: use DIR/_C*.so (built elsewhere against this exact torch) instead of building.
+set -uo pipefail
+LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [benchmark args...]}
+shift
+mkdir -p "$LOG"
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 SELSCAN_EXPECT_EXTENSION=1
+status=0
+
+if ! $PY -c "import cutlass_library" 2>/dev/null && [ -z "${SELSCAN_CUTLASS_DIR:-}" ]; then
+  whl=$(ls .whl/nvidia_cutlass-*.whl 2>/dev/null | head -n 1)
+  [ -n "$whl" ] || { echo "no CUTLASS: pip install --no-deps nvidia-cutlass==4.2.0.0, or carry it in .whl/"; exit 2; }
+  rm -rf /tmp/selscan_cutlass && mkdir -p /tmp/selscan_cutlass
+  $PY -m zipfile -e "$whl" /tmp/selscan_cutlass >/dev/null
+  export SELSCAN_CUTLASS_DIR=/tmp/selscan_cutlass/cutlass_library/source
+fi
+
+t0=$(date +%s)
+if [ -n "${SELSCAN_PREBUILT:-}" ]; then
+  cp "$SELSCAN_PREBUILT"/_C*.so "$SELSCAN_PREBUILT"/_build_info.py selscan_fused/ || exit 1
+  echo "using the prebuilt extension in $SELSCAN_PREBUILT" | tee "$LOG/build.log"
+else
+  MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=${NVCC_THREADS:-2} \
+    $PY -m pip install --no-build-isolation --no-deps --no-index -v -e . >"$LOG/build.log" 2>&1 || { echo "BUILD FAILED"; tail -n 40 "$LOG/build.log"; exit 1; }
+fi
+t1=$(date +%s)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$LOG/gpu.txt" 2>&1
+
+$PY -m pytest -q -rs tests 2>&1 | tee "$LOG/tests.log" | tail -n 40
+test_rc=${PIPESTATUS[0]}
+[ "$test_rc" = 0 ] || status=1
+t2=$(date +%s)
+
+$PY benchmarks/bench.py --json "$LOG/bench.json" "$@" 2>&1 | tee "$LOG/bench.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+t3=$(date +%s)
+
+echo
+echo "=== summary ==="
+cat "$LOG/gpu.txt"
+echo "build: $((t1 - t0)) s   tests: $((t2 - t1)) s   benchmark: $((t3 - t2)) s"
+grep -E "^[0-9]+ (passed|failed)|passed|failed" "$LOG/tests.log" | tail -n 1
+cat "$LOG/bench.log" | tail -n 60
+exit $status
