@@ -1,4 +1,6 @@
-"""Build of selscan_fused: a pure-Python package plus one CUDA extension, selscan_fused._C.
+"""Build of selscan_fused: a pure-Python package plus two CUDA extensions: selscan_fused._C (op
+bindings and the unfused path's scan kernel, sm_80/sm_90) and selscan_fused._fused (the fused
+CUTLASS/CuTe kernel, sm_90a only).
 
     pip install --no-build-isolation .        # or -e . ; builds against the torch already installed
 
@@ -64,7 +66,7 @@ def extension_modules():
         "-O3",
         "-std=c++20",  # torch 2.14 headers need it
     ]
-    nvcc_flags = [
+    nvcc_common = [
         "-O3",
         "-std=c++20",
         "-DNDEBUG",  # important for speed: CUTLASS/CuTe asserts off
@@ -73,22 +75,35 @@ def extension_modules():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        "-gencode=arch=compute_80,code=sm_80",  # unfused scan on A100-class GPUs
-        "-gencode=arch=compute_90a,code=sm_90a",  # H100/H200: the unfused scan and the fused wgmma/TMA kernel
-        "-gencode=arch=compute_80,code=compute_80",  # PTX of the scan for newer GPUs (fused needs sm_90a)
-        f"--threads={os.environ.get('NVCC_THREADS', '2')}",  # parallel across the targets above
+        f"--threads={os.environ.get('NVCC_THREADS', '2')}",  # parallel across the targets below
     ]
-    sources = ["csrc/python_module.cpp", "csrc/torch_ops.cpp"]
-    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
+    nvcc_scan = nvcc_common + [
+        "-gencode=arch=compute_80,code=sm_80",  # A100-class GPUs
+        "-gencode=arch=compute_90,code=sm_90",  # H100/H200
+        "-gencode=arch=compute_90,code=compute_90",  # PTX for newer GPUs
+    ]
+    nvcc_fused = nvcc_common + [
+        "-gencode=arch=compute_90a,code=sm_90a",  # wgmma, TMA, setmaxnreg: H100/H200 only
+    ]
 
     write_build_info(torch, str(cuda_home), include_dirs[1])
-    ext = CUDAExtension(
+    # _C: the op bindings and the unfused path's scan kernel (no CUTLASS).
+    ext_c = CUDAExtension(
         name="selscan_fused._C",
-        sources=sources,
+        sources=["csrc/python_module.cpp", "csrc/torch_ops.cpp"]
+        + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "scan").glob("*.cu")),
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_scan},
     )
-    return [ext], {"build_ext": BuildExtension}
+    # _fused: the fused CUTLASS/CuTe kernel, sm_90a only, one .cu per dtype (parallel builds).
+    ext_fused = CUDAExtension(
+        name="selscan_fused._fused",
+        sources=["csrc/fused/fused_module.cpp", "csrc/fused/fused_ops.cpp"]
+        + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "fused").glob("*.cu")),
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_fused},
+    )
+    return [ext_c, ext_fused], {"build_ext": BuildExtension}
 
 
 def write_build_info(torch, cuda_home, cutlass_include):

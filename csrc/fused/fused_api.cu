@@ -1,0 +1,58 @@
+// Host entry points of the fused kernel: availability, the L-split plan, the dtype dispatch.
+#include <cute/numeric/numeric_types.hpp>
+
+#include <algorithm>
+
+#include "../common/cuda_check.h"
+#include "fused_api.h"
+#include "fused_instances.h"
+
+namespace selscan {
+
+bool fused_available(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;  // the kernel is built for sm_90a only
+}
+
+cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out) {
+  int sms = 0;
+  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
+  const int64_t max_segments = (seqlen + kFusedTokenTile - 1) / kFusedTokenTile;
+  const int64_t streams = std::max<int64_t>(p.batch, 1) * (p.dim / kFusedChannelTile);
+  int64_t n = 1;
+  if (requested_segments > 0) {
+    n = requested_segments;
+  } else if (streams < sms) {
+    // One persistent CTA per SM: cut L so that the streams come close to one per SM, never more
+    // (a second stream on an SM would double its time); segments of at least 512 tokens.
+    n = std::max<int64_t>(1, sms / streams);
+    n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / 512));
+  }
+  n = std::max<int64_t>(1, std::min(n, max_segments));
+  int64_t seg_len = (seqlen + n - 1) / n;
+  seg_len = (seg_len + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;
+  out->seg_len = seg_len;
+  out->n_segments = (seqlen + seg_len - 1) / seg_len;
+  return cudaSuccess;
+}
+
+cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream) {
+  if (p.n_segments < 1 || p.seg_len % kFusedTokenTile != 0 || (p.n_segments > 1 && p.workspace == nullptr))
+    return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kBFloat16: return fused::launch_dtype<::cute::bfloat16_t, false>(p, stream);
+    case DType::kFloat16: return fused::launch_dtype<::cute::half_t, false>(p, stream);
+    case DType::kFloat32:
+      return p.fp32_3xtf32 ? fused::launch_dtype<float, true>(p, stream)
+                           : fused::launch_dtype<float, false>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace selscan

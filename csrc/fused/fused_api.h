@@ -1,0 +1,30 @@
+// Host entry points of the fused kernel (no torch headers; csrc/torch_ops.cpp is the binding).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "fused_params.h"
+
+namespace selscan {
+
+constexpr int64_t kFusedTokenTile = 64;    // tokens per tile (the wgmma M)
+constexpr int64_t kFusedChannelTile = 64;  // channels per CTA; D must be a multiple
+constexpr int64_t kFusedMaxDim = 8192;
+
+inline bool fused_supports_dstate(int64_t n) { return n == 8 || n == 16 || n == 32 || n == 64; }
+
+// Whether this build has the fused kernel and the current device can run it (sm_90: H100/H200).
+bool fused_available(int device);
+
+struct FusedLaunchInfo {
+  int64_t n_segments;
+  int64_t seg_len;
+};
+
+// L split for a problem (requested_segments <= 0: automatic).
+cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
+
+// Launches on `stream` (p.n_segments/seg_len from fused_plan, p.workspace sized by
+// fused_workspace_floats). Returns the first CUDA error met.
+cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);
+
+}  // namespace selscan

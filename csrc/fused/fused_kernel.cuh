@@ -1,0 +1,640 @@
+// The fused kernel: one launch from x to y (sm_90a: TMA, wgmma, mbarrier pipelines).
+//
+// Work: a stream = (L-segment, sequence b, channel tile of kDt = 64 channels). A persistent CTA
+// (one per SM) walks its streams' token tiles (64 tokens) in order; the state h stays in registers.
+//
+// Roles (512 threads, one CTA per SM):
+//   warpgroup 0  producer: one elected lane issues the TMA loads. Per tile: the x tile (64 x kDt) the
+//                scan needs, then for every K chunk the operand tiles x[t0:t0+64, k:k+kBK],
+//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring.
+//   warpgroup 1  tensor cores: wgmma over K into three float32 accumulators (delta 64x64, B 64xN,
+//                C 64xN); 3xTF32 for float32 "highest" (the remainders made in shared memory); then
+//                dt = softplus(acc + bias) (0 past L), B and C go to a kPStages hand-off tile, and
+//                it moves on to the next tile's products while the scan works on this one.
+//   warpgroups 2-3  scan: thread (channel c, group g) owns kNS = N/4 states of one channel;
+//                per 4 tokens: loads, 4*kNS independent exp2, the chains through h, the partial
+//                sums of y reduce-scattered over the 4 threads of the channel (3 shuffles), and
+//                y = sum + D*x stored straight to global memory.
+// Nothing of shape (B,L,D) or (B,L,D,N) other than x and y touches device memory.
+//
+// L split (few streams, e.g. one long sequence): the same two-phase scheme as the unfused scan,
+// with the projections recomputed in phase 2; cooperative launch, grid-wide barrier between phases.
+#pragma once
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../common/cuda_check.h"
+#include "../common/device_math.cuh"
+#include "fused_config.h"
+#include "fused_params.h"
+
+namespace selscan {
+namespace fused {
+
+using namespace cute;
+
+// Named barriers (ids 1..4; 0 is __syncthreads): dt/B/C hand-off tile s full / empty, and one
+// among the MMA warpgroup.
+constexpr int kBarFull = 1;     // + stage (2 stages max)
+constexpr int kBarEmpty = 3;    // + stage
+constexpr int kBarMma = 5;
+
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+__host__ __device__ __forceinline__ int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Streams: (segment, sequence, channel tile), segment-major.
+struct Stream {
+  int64_t seg, b, j;      // segment, sequence, channel tile
+  int64_t t_begin;        // first token (in the sequence)
+  int64_t n_tiles;        // token tiles
+};
+
+template <class Cfg>
+__device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t idx) {
+  const int64_t n_ctiles = p.dim / Cfg::kDt;
+  Stream s;
+  s.j = idx % n_ctiles;
+  s.b = (idx / n_ctiles) % p.batch;
+  s.seg = idx / (n_ctiles * p.batch);
+  s.t_begin = s.seg * p.seg_len;
+  const int64_t t_end = imin64(p.seqlen, s.t_begin + p.seg_len);
+  s.n_tiles = (t_end - s.t_begin + Cfg::kT - 1) / Cfg::kT;
+  return s;
+}
+
+template <class Cfg, class TmaX, class TmaXt, class TmaWd, class TmaWn>
+struct KernelArgs {
+  TmaX tma_x;     // x as (L, D, batch): operand tiles (64 x kBK), swizzled
+  TmaXt tma_xt;   // x as (L, D, batch): scan tiles (64 x kDt), plain
+  TmaWd tma_wd;   // W_delta (D, D)
+  TmaWn tma_wb;   // W_B (N, D)
+  TmaWn tma_wc;   // W_C (N, D)
+  FusedParams p;
+};
+
+// Per-role state carried from phase 1 into phase 2.
+template <class Cfg>
+struct RoleState {
+  cutlass::PipelineState<Cfg::kStages> ring;
+  cutlass::PipelineState<Cfg::kXStages> xt;
+  int pstage = 0;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Producer: TMA loads.
+template <class Cfg, class Args>
+__device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring& ring, typename Cfg::XPipe& xpipe,
+                                               SharedStorage<Cfg>& ss, RoleState<Cfg>& st, int64_t first,
+                                               int64_t count) {
+  const FusedParams& p = a.p;
+  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
+  using TE = typename Cfg::TmaElement;
+  Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.x.begin())), typename Cfg::SmemLayoutXTma{});
+  Tensor sWd = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wd.begin())), typename Cfg::SmemLayoutWdTma{});
+  Tensor sWb = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wb.begin())), typename Cfg::SmemLayoutWnTma{});
+  Tensor sWc = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wc.begin())), typename Cfg::SmemLayoutWnTma{});
+  Tensor sXt = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.xt.begin())), typename Cfg::SmemLayoutXt{});
+  Tensor mX = a.tma_x.get_tma_tensor(make_shape(L, Dm, Bt));
+  Tensor mXt = a.tma_xt.get_tma_tensor(make_shape(L, Dm, Bt));
+  Tensor mWd = a.tma_wd.get_tma_tensor(make_shape(Dm, Dm));
+  Tensor mWb = a.tma_wb.get_tma_tensor(make_shape(N, Dm));
+  Tensor mWc = a.tma_wc.get_tma_tensor(make_shape(N, Dm));
+  const int k_tiles = Dm / Cfg::kBK;
+
+  for (int64_t idx = first; idx < count; idx += gridDim.x) {
+    const Stream s = decode_stream<Cfg>(p, idx);
+    Tensor gWd = local_tile(mWd, make_shape(typename Cfg::BlkDt{}, typename Cfg::BlkK{}), make_coord(int(s.j), _));
+    Tensor gWb = local_tile(mWb, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
+    Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
+    auto [tWdg, tWds] = tma_partition(a.tma_wd, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWd), group_modes<0, 2>(gWd));
+    auto [tWbg, tWbs] = tma_partition(a.tma_wb, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWb), group_modes<0, 2>(gWb));
+    auto [tWcg, tWcs] = tma_partition(a.tma_wc, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWc), group_modes<0, 2>(gWc));
+    for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
+      const int t_tile = int((s.t_begin / Cfg::kT) + tile);
+      // The x tile the scan reads.
+      Tensor gXt = local_tile(mXt(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
+                              make_coord(t_tile, int(s.j)));
+      auto [tXtg, tXts] = tma_partition(a.tma_xt, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sXt), group_modes<0, 2>(gXt));
+      xpipe.producer_acquire(st.xt);
+      copy(a.tma_xt.with(*xpipe.producer_get_barrier(st.xt)), tXtg, tXts(_, st.xt.index()));
+      ++st.xt;
+      // The operand tiles of every K chunk.
+      Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkK{}),
+                             make_coord(t_tile, _));
+      auto [tXg, tXs] = tma_partition(a.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
+      for (int k = 0; k < k_tiles; ++k) {
+        ring.producer_acquire(st.ring);
+        auto* bar = ring.producer_get_barrier(st.ring);
+        const int stage = st.ring.index();
+        copy(a.tma_x.with(*bar), tXg(_, k), tXs(_, stage));
+        copy(a.tma_wd.with(*bar), tWdg(_, k), tWds(_, stage));
+        copy(a.tma_wb.with(*bar), tWbg(_, k), tWbs(_, stage));
+        copy(a.tma_wc.with(*bar), tWcg(_, k), tWcs(_, stage));
+        ++st.ring;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Tensor cores: products, softplus epilogue, hand-off.
+
+// 3xTF32: rem = v - tf32(v) for every element of one ring stage (same layout, element-wise).
+template <class Cfg>
+__device__ __forceinline__ void make_remainders(SharedStorage<Cfg>& ss, int stage, int rstage, int tid) {
+  auto split = [&](const float* big, float* small, int elems) {
+    const float4* b4 = reinterpret_cast<const float4*>(big);
+    float4* s4 = reinterpret_cast<float4*>(small);
+    for (int i = tid; i < elems / 4; i += Cfg::kMmaThreads) {
+      float4 v = b4[i];
+      auto rem = [](float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); };
+      s4[i] = make_float4(rem(v.x), rem(v.y), rem(v.z), rem(v.w));
+    }
+  };
+  constexpr int kX = Cfg::kT * Cfg::kBK, kWd = Cfg::kDt * Cfg::kBK, kWn = Cfg::kN * Cfg::kBK;
+  split(reinterpret_cast<const float*>(ss.x.begin()) + stage * kX, reinterpret_cast<float*>(ss.xs.begin()) + rstage * kX, kX);
+  split(reinterpret_cast<const float*>(ss.wd.begin()) + stage * kWd, reinterpret_cast<float*>(ss.wds.begin()) + rstage * kWd, kWd);
+  split(reinterpret_cast<const float*>(ss.wb.begin()) + stage * kWn, reinterpret_cast<float*>(ss.wbs.begin()) + rstage * kWn, kWn);
+  split(reinterpret_cast<const float*>(ss.wc.begin()) + stage * kWn, reinterpret_cast<float*>(ss.wcs.begin()) + rstage * kWn, kWn);
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
+  named_sync(kBarMma, Cfg::kMmaThreads);
+}
+
+// 1xTF32 ("high"): round every element of one ring stage to TF32 in place (round to nearest; the
+// tensor cores would otherwise truncate, a bias that costs ~2x the error).
+template <class Cfg>
+__device__ __forceinline__ void round_to_tf32(SharedStorage<Cfg>& ss, int stage, int tid) {
+  auto round = [&](float* buf, int elems) {
+    float4* b4 = reinterpret_cast<float4*>(buf);
+    for (int i = tid; i < elems / 4; i += Cfg::kMmaThreads) {
+      float4 v = b4[i];
+      auto rna = [](float f) {
+        uint32_t r;
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+        return __uint_as_float(r);
+      };
+      b4[i] = make_float4(rna(v.x), rna(v.y), rna(v.z), rna(v.w));
+    }
+  };
+  constexpr int kX = Cfg::kT * Cfg::kBK, kWd = Cfg::kDt * Cfg::kBK, kWn = Cfg::kN * Cfg::kBK;
+  round(reinterpret_cast<float*>(ss.x.begin()) + stage * kX, kX);
+  round(reinterpret_cast<float*>(ss.wd.begin()) + stage * kWd, kWd);
+  round(reinterpret_cast<float*>(ss.wb.begin()) + stage * kWn, kWn);
+  round(reinterpret_cast<float*>(ss.wc.begin()) + stage * kWn, kWn);
+  cutlass::arch::fence_view_async_shared();
+  named_sync(kBarMma, Cfg::kMmaThreads);
+}
+
+template <class Cfg, class Args>
+__device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
+                                          RoleState<Cfg>& st, int64_t first, int64_t count) {
+  const FusedParams& p = a.p;
+  const int tid = threadIdx.x - 128;  // 0..127 in the warpgroup
+  using E = typename Cfg::Element;
+  Tensor sX = make_tensor(make_smem_ptr(ss.x.begin()), typename Cfg::SmemLayoutX{});
+  Tensor sWd = make_tensor(make_smem_ptr(ss.wd.begin()), typename Cfg::SmemLayoutWd{});
+  Tensor sWb = make_tensor(make_smem_ptr(ss.wb.begin()), typename Cfg::SmemLayoutWn{});
+  Tensor sWc = make_tensor(make_smem_ptr(ss.wc.begin()), typename Cfg::SmemLayoutWn{});
+  Tensor sXs = make_tensor(make_smem_ptr(ss.xs.begin()), typename Cfg::SmemLayoutXs{});
+  Tensor sWds = make_tensor(make_smem_ptr(ss.wds.begin()), typename Cfg::SmemLayoutWds{});
+  Tensor sWbs = make_tensor(make_smem_ptr(ss.wbs.begin()), typename Cfg::SmemLayoutWns{});
+  Tensor sWcs = make_tensor(make_smem_ptr(ss.wcs.begin()), typename Cfg::SmemLayoutWns{});
+
+  typename Cfg::MmaD mma_d;
+  typename Cfg::MmaN mma_n;
+  auto thr_d = mma_d.get_thread_slice(tid);
+  auto thr_n = mma_n.get_thread_slice(tid);
+  Tensor tDrX = thr_d.make_fragment_A(thr_d.partition_A(sX));     // (MMA, M, K, PIPE) descriptors
+  Tensor tDrW = thr_d.make_fragment_B(thr_d.partition_B(sWd));
+  Tensor tNrX = thr_n.make_fragment_A(thr_n.partition_A(sX));
+  Tensor tBrW = thr_n.make_fragment_B(thr_n.partition_B(sWb));
+  Tensor tCrW = thr_n.make_fragment_B(thr_n.partition_B(sWc));
+  Tensor tDrXs = thr_d.make_fragment_A(thr_d.partition_A(sXs));
+  Tensor tDrWs = thr_d.make_fragment_B(thr_d.partition_B(sWds));
+  Tensor tNrXs = thr_n.make_fragment_A(thr_n.partition_A(sXs));
+  Tensor tBrWs = thr_n.make_fragment_B(thr_n.partition_B(sWbs));
+  Tensor tCrWs = thr_n.make_fragment_B(thr_n.partition_B(sWcs));
+
+  Tensor acc_d = partition_fragment_C(mma_d, Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{});
+  Tensor acc_b = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
+  Tensor acc_c = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
+  // (row, col) of every accumulator register.
+  Tensor cD = thr_d.partition_C(make_identity_tensor(Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{}));
+  Tensor cN = thr_n.partition_C(make_identity_tensor(Shape<typename Cfg::BlkT, typename Cfg::BlkN>{}));
+  using CLayoutD = typename Cfg::MmaD::AtomLayoutC_TV;
+  static_assert(decltype(size<1, 0>(CLayoutD{}))::value == 2 && decltype(stride<1, 0>(CLayoutD{}))::value == Cfg::kT,
+                "accumulator register pairs must be adjacent columns");
+  const int k_tiles = int(p.dim / Cfg::kBK);
+
+  for (int64_t idx = first; idx < count; idx += gridDim.x) {
+    const Stream s = decode_stream<Cfg>(p, idx);
+    const int64_t d0 = s.j * Cfg::kDt;
+    const float* bias = p.b_delta + d0;  // read in the epilogue (L1-resident), not held in registers
+
+    for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
+      const int64_t t0 = s.t_begin + tile * Cfg::kT;
+      // ---- products over K
+      if constexpr (Cfg::k3x) {
+        // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
+        // with float32 (round-to-nearest) adds: the tensor cores' own accumulation truncates, and
+        // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
+        clear(acc_d);
+        clear(acc_b);
+        clear(acc_c);
+        for (int k = 0; k < k_tiles; ++k) {
+          ring.consumer_wait(st.ring);
+          const int stage = st.ring.index();
+          make_remainders<Cfg>(ss, stage, 0, tid);
+          Tensor tmp_d = partition_fragment_C(mma_d, Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{});
+          Tensor tmp_b = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
+          Tensor tmp_c = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
+          mma_d.accumulate_ = GMMA::ScaleOut::Zero;
+          mma_n.accumulate_ = GMMA::ScaleOut::Zero;
+          warpgroup_fence_operand(tmp_d);
+          warpgroup_fence_operand(tmp_b);
+          warpgroup_fence_operand(tmp_c);
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tDrX); ++kb) {
+            cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrW(_, _, kb, stage), tmp_d);
+            cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrW(_, _, kb, stage), tmp_b);
+            cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrW(_, _, kb, stage), tmp_c);
+            mma_d.accumulate_ = GMMA::ScaleOut::One;
+            mma_n.accumulate_ = GMMA::ScaleOut::One;
+            cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrWs(_, _, kb, 0), tmp_d);
+            cute::gemm(mma_d, tDrXs(_, _, kb, 0), tDrW(_, _, kb, stage), tmp_d);
+            cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrWs(_, _, kb, 0), tmp_b);
+            cute::gemm(mma_n, tNrXs(_, _, kb, 0), tBrW(_, _, kb, stage), tmp_b);
+            cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrWs(_, _, kb, 0), tmp_c);
+            cute::gemm(mma_n, tNrXs(_, _, kb, 0), tCrW(_, _, kb, stage), tmp_c);
+          }
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();  // this chunk's products are in tmp; stage and remainders are free
+          warpgroup_fence_operand(tmp_d);
+          warpgroup_fence_operand(tmp_b);
+          warpgroup_fence_operand(tmp_c);
+          ring.consumer_release(st.ring);
+          ++st.ring;
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_d); ++i) acc_d(i) += tmp_d(i);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_b); ++i) {
+            acc_b(i) += tmp_b(i);
+            acc_c(i) += tmp_c(i);
+          }
+          named_sync(kBarMma, Cfg::kMmaThreads);  // every thread's wgmma done before remainders are rewritten
+        }
+      } else {
+      auto release = st.ring;
+      mma_d.accumulate_ = GMMA::ScaleOut::Zero;
+      mma_n.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(acc_d);
+      warpgroup_fence_operand(acc_b);
+      warpgroup_fence_operand(acc_c);
+      for (int k = 0; k < k_tiles; ++k) {
+        ring.consumer_wait(st.ring);
+        const int stage = st.ring.index();
+        if constexpr (Cfg::kTF32) round_to_tf32<Cfg>(ss, stage, tid);
+        warpgroup_fence_operand(acc_d);
+        warpgroup_fence_operand(acc_b);
+        warpgroup_fence_operand(acc_c);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tDrX); ++kb) {
+          cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrW(_, _, kb, stage), acc_d);
+          cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrW(_, _, kb, stage), acc_b);
+          cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrW(_, _, kb, stage), acc_c);
+          mma_d.accumulate_ = GMMA::ScaleOut::One;
+          mma_n.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // batch k-1 retired: its ring stage can be reused
+        warpgroup_fence_operand(acc_d);
+        warpgroup_fence_operand(acc_b);
+        warpgroup_fence_operand(acc_c);
+        if (k > 0) {
+          ring.consumer_release(release);
+          ++release;
+        }
+        ++st.ring;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_d);
+      warpgroup_fence_operand(acc_b);
+      warpgroup_fence_operand(acc_c);
+      ring.consumer_release(release);
+      }
+
+      // ---- epilogue: dt = softplus(acc + bias) (0 past L), B, C -> hand-off tile
+      const int ps = st.pstage;
+      named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_d); i += 2) {
+        const int r = get<0>(cD(i)), c = get<1>(cD(i));
+        const bool valid = t0 + r < p.seqlen;
+        const float2 bc = __ldg(reinterpret_cast<const float2*>(bias + c));
+        const float v0 = softplus(acc_d(i) + bc.x);
+        const float v1 = softplus(acc_d(i + 1) + bc.y);
+        *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_b); i += 2) {
+        const int r = get<0>(cN(i)), c = get<1>(cN(i));
+        *reinterpret_cast<float2*>(&ss.B[ps][r][c]) = make_float2(acc_b(i), acc_b(i + 1));
+        *reinterpret_cast<float2*>(&ss.C[ps][r][c]) = make_float2(acc_c(i), acc_c(i + 1));
+      }
+      named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+      st.pstage = (ps + 1) % Cfg::kPStages;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Scan.
+template <class Cfg, bool kFull>
+__device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
+                                           RoleState<Cfg>& st, int64_t first, int64_t count) {
+  using TE = typename Cfg::TmaElement;
+  constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN;
+  const int tid = threadIdx.x - 256;  // 0..255
+  const int c = tid / Cfg::kP;        // channel in the tile
+  const int g = tid % Cfg::kP;        // state group
+  const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
+  float* ws_sum_dt = p.workspace;
+  float* ws_h = p.workspace + (p.n_segments - 1) * p.batch * p.dim;
+
+  for (int64_t idx = first; idx < count; idx += gridDim.x) {
+    const Stream s = decode_stream<Cfg>(p, idx);
+    const int64_t d = s.j * Cfg::kDt + c;
+    float A2[kNS], h[kNS];
+    CUTE_UNROLL
+    for (int n = 0; n < kNS; ++n) A2[n] = -__expf(p.A_log[d * kN + g * kNS + n]) * kLog2e;
+    const float dskip = p.D[d];
+    if (kFull) {
+      CUTE_UNROLL
+      for (int n = 0; n < kNS; ++n) h[n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d) * kN + g * kNS + n] : 0.f;
+      for (int64_t sp = 0; sp < s.seg; ++sp) {  // fold the earlier segments, in order
+        const int64_t cd = (sp * p.batch + s.b) * p.dim + d;
+        const float sd = __ldcg(ws_sum_dt + cd);
+        CUTE_UNROLL
+        for (int n = 0; n < kNS; ++n) h[n] = fmaf(ex2_approx(A2[n] * sd), h[n], __ldcg(ws_h + cd * kN + g * kNS + n));
+      }
+    } else {
+      CUTE_UNROLL
+      for (int n = 0; n < kNS; ++n) h[n] = 0.f;
+    }
+    float sum_dt = 0.f;
+
+    for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
+      const int64_t t0 = s.t_begin + tile * Cfg::kT;
+      const int ps = st.pstage;
+      named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+      xpipe.consumer_wait(st.xt);
+      const TE* xt = xt_base + st.xt.index() * (Cfg::kT * Cfg::kDt);
+      typename Cfg::ElementIn* y = static_cast<typename Cfg::ElementIn*>(p.y);
+
+#pragma unroll 1
+      for (int tg = 0; tg < Cfg::kT; tg += 4) {
+        float dt[4], dtx[4], xv[4];
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          dt[j] = ss.dt[ps][tg + j][c];
+          xv[j] = float(xt[(tg + j) * Cfg::kDt + c]);
+          dtx[j] = dt[j] * xv[j];
+        }
+        float yp[4] = {0.f, 0.f, 0.f, 0.f};
+        CUTE_UNROLL
+        for (int q = 0; q < kNS; q += kQ) {
+          float Bq[4][kQ], Cq[4][kQ], dA[4][kQ];
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            const float* bp = &ss.B[ps][tg + j][g * kNS + q];
+            const float* cp = &ss.C[ps][tg + j][g * kNS + q];
+            if constexpr (kQ == 4) {
+              const float4 b4 = *reinterpret_cast<const float4*>(bp);
+              Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
+              if (kFull) {
+                const float4 c4 = *reinterpret_cast<const float4*>(cp);
+                Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
+              }
+            } else {
+              const float2 b2 = *reinterpret_cast<const float2*>(bp);
+              Bq[j][0] = b2.x; Bq[j][1] = b2.y;
+              if (kFull) {
+                const float2 c2 = *reinterpret_cast<const float2*>(cp);
+                Cq[j][0] = c2.x; Cq[j][1] = c2.y;
+              }
+            }
+          }
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j)
+            CUTE_UNROLL
+            for (int n = 0; n < kQ; ++n) dA[j][n] = ex2_approx(dt[j] * A2[q + n]);
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j)
+            CUTE_UNROLL
+            for (int n = 0; n < kQ; ++n) {
+              h[q + n] = fmaf(dA[j][n], h[q + n], dtx[j] * Bq[j][n]);
+              if (kFull) yp[j] = fmaf(Cq[j][n], h[q + n], yp[j]);
+            }
+        }
+        if (kFull) {
+          // Reduce-scatter over the 4 threads of the channel: thread g ends with token tg + g.
+          const bool hi = g & 2;
+          float k0 = hi ? yp[2] : yp[0], k1 = hi ? yp[3] : yp[1];
+          const float s0 = hi ? yp[0] : yp[2], s1 = hi ? yp[1] : yp[3];
+          k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+          k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+          const bool lo = g & 1;
+          float total = lo ? k1 : k0;
+          total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
+          const float xg = g == 0 ? xv[0] : (g == 1 ? xv[1] : (g == 2 ? xv[2] : xv[3]));
+          const int64_t t = t0 + tg + g;
+          if (t < p.seqlen)
+            y[(s.b * p.seqlen + t) * p.dim + d] = typename Cfg::ElementIn(fmaf(dskip, xg, total));
+        } else {
+          sum_dt += (dt[0] + dt[1]) + (dt[2] + dt[3]);
+        }
+      }
+      xpipe.consumer_release(st.xt);
+      ++st.xt;
+      named_arrive(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+      st.pstage = (ps + 1) % Cfg::kPStages;
+    }
+
+    if (!kFull) {
+      const int64_t cd = (s.seg * p.batch + s.b) * p.dim + d;
+      if (g == 0) ws_sum_dt[cd] = sum_dt;
+      CUTE_UNROLL
+      for (int n = 0; n < kNS; ++n) ws_h[cd * kN + g * kNS + n] = h[n];
+    } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
+      CUTE_UNROLL
+      for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d) * kN + g * kNS + n] = h[n];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+template <class Cfg, class Args>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_constant__ Args a) {
+#if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<SharedStorage<Cfg>*>(smem_raw);
+  const FusedParams& p = a.p;
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int wg = cutlass::canonical_warp_group_idx();
+  const int lane_elected = cute::elect_one_sync();
+  const bool producer_lane = (warp == 0) && lane_elected;
+
+  if (producer_lane) {
+    cute::prefetch_tma_descriptor(a.tma_x.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(a.tma_xt.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(a.tma_wd.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(a.tma_wb.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(a.tma_wc.get_tma_descriptor());
+  }
+  using Ring = typename Cfg::Ring;
+  using XPipe = typename Cfg::XPipe;
+  typename Ring::Params rp;
+  rp.transaction_bytes = Cfg::kRingBytes;
+  rp.role = wg == 0 ? (warp == 0 ? Ring::ThreadCategory::Producer : Ring::ThreadCategory::NonParticipant)
+                    : (wg == 1 ? Ring::ThreadCategory::Consumer : Ring::ThreadCategory::NonParticipant);
+  rp.is_leader = producer_lane;
+  rp.num_consumers = Cfg::kMmaThreads;
+  Ring ring(ss.ring, rp, Shape<_1, _1, _1>{});
+  typename XPipe::Params xp;
+  xp.transaction_bytes = Cfg::kXtBytes;
+  xp.role = wg == 0 ? (warp == 0 ? XPipe::ThreadCategory::Producer : XPipe::ThreadCategory::NonParticipant)
+                    : (wg >= 2 ? XPipe::ThreadCategory::Consumer : XPipe::ThreadCategory::NonParticipant);
+  xp.is_leader = producer_lane;
+  xp.num_consumers = Cfg::kScanThreads;
+  XPipe xpipe(ss.xpipe, xp, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to everyone
+
+  RoleState<Cfg> st;
+  if (wg == 0) {
+    st.ring = cutlass::make_producer_start_state<Ring>();
+    st.xt = cutlass::make_producer_start_state<XPipe>();
+  }
+  const int64_t streams_per_seg = p.batch * (p.dim / Cfg::kDt);
+  const int64_t n_phase1 = streams_per_seg * (p.n_segments - 1);
+  const int64_t n_all = streams_per_seg * p.n_segments;
+  // Phase 1 (L split only): segments but the last, scanned from zero, end states to the workspace;
+  // grid-wide barrier; phase 2: every segment from its true start state, writing y.
+  auto grid_barrier = [&] {
+    __threadfence();
+    cooperative_groups::this_grid().sync();
+  };
+  // Registers: the launch gives 128 per thread (512 threads, 1 CTA/SM); the producer needs few, the
+  // scan (kNS states + 4 tokens of operands in flight) the most. 56 + 152 + 2 * 152 = 4 * 128.
+  // One branch per role, setmaxnreg first (ptxas honours it only in this shape).
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (producer_lane) {
+      if (p.n_segments > 1) producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1);
+    }
+    if (p.n_segments > 1) grid_barrier();
+    if (producer_lane) {
+      producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all);
+      ring.producer_tail(st.ring);
+    }
+  } else if (wg == 1) {
+    cutlass::arch::warpgroup_reg_alloc<152>();
+    if (p.n_segments > 1) {
+      mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_phase1);
+      grid_barrier();
+    }
+    mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_all);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<152>();
+    // Both hand-off tiles start empty.
+    for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
+    if (p.n_segments > 1) {
+      scan_phase<Cfg, false>(p, xpipe, ss, st, blockIdx.x, n_phase1);
+      grid_barrier();
+    }
+    scan_phase<Cfg, true>(p, xpipe, ss, st, blockIdx.x, n_all);
+  }
+#else
+  // Built for another architecture: the host never launches this (fused_available() is false).
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Host side.
+
+template <class Cfg>
+auto make_tmas(const FusedParams& p) {
+  using TE = typename Cfg::TmaElement;
+  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
+  const int64_t ld = p.dim;
+  auto gx = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.x)),
+                        make_layout(make_shape(L, Dm, Bt), make_stride(ld, _1{}, int64_t(L) * ld)));
+  auto gwd = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_delta)),
+                         make_layout(make_shape(Dm, Dm), make_stride(ld, _1{})));
+  auto gwb = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_B)),
+                         make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
+  auto gwc = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_C)),
+                         make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXTma{}(_, _, 0));
+  auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
+  auto tma_wd = make_tma_copy(SM90_TMA_LOAD{}, gwd, typename Cfg::SmemLayoutWdTma{}(_, _, 0));
+  auto tma_wb = make_tma_copy(SM90_TMA_LOAD{}, gwb, typename Cfg::SmemLayoutWnTma{}(_, _, 0));
+  auto tma_wc = make_tma_copy(SM90_TMA_LOAD{}, gwc, typename Cfg::SmemLayoutWnTma{}(_, _, 0));
+  return KernelArgs<Cfg, decltype(tma_x), decltype(tma_xt), decltype(tma_wd), decltype(tma_wb)>{
+      tma_x, tma_xt, tma_wd, tma_wb, tma_wc, p};
+}
+
+template <class Cfg>
+struct Launcher {
+  using Args = decltype(make_tmas<Cfg>(FusedParams{}));
+  static constexpr int kSmem = int(sizeof(SharedStorage<Cfg>));
+  static_assert(kSmem <= 227 * 1024, "shared memory budget exceeded");
+
+  static cudaError_t prepare(int device) {
+    static bool done[64] = {};
+    if (device >= 0 && device < 64 && done[device]) return cudaSuccess;
+    SELSCAN_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(fused_kernel<Cfg, Args>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    if (device >= 0 && device < 64) done[device] = true;
+    return cudaSuccess;
+  }
+
+  static cudaError_t launch(const FusedParams& p, cudaStream_t stream) {
+    int device = 0, sms = 0;
+    SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
+    SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    SELSCAN_RETURN_IF_ERROR(prepare(device));
+    const Args args = make_tmas<Cfg>(p);
+    const int64_t n_streams = p.batch * (p.dim / Cfg::kDt) * p.n_segments;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(unsigned(imin64(n_streams, sms)));
+    cfg.blockDim = dim3(Cfg::kThreads);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    if (p.n_segments > 1) {  // the grid-wide barrier needs every CTA resident: cooperative launch
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, fused_kernel<Cfg, Args>, args);
+  }
+};
+
+}  // namespace fused
+}  // namespace selscan

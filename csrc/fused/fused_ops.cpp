@@ -1,0 +1,118 @@
+// torch.library registration of the fused kernel's ops (extension selscan_fused._fused, built for
+// sm_90a only). Same conventions as csrc/torch_ops.cpp: checks naming the argument before anything
+// runs, current stream, device guard, no host synchronisation.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <tuple>
+
+#include "../op_checks.h"
+#include "fused_api.h"
+
+namespace selscan {
+namespace {
+
+std::atomic<bool> g_poison_outputs{false};  // test hook, as set_poison_outputs in torch_ops.cpp
+
+void check_fused_envelope(const at::Tensor& x, int64_t Dm, int64_t N) {
+  TORCH_CHECK(fused_available(x.get_device()), "selscan_fused: impl='fused' needs an sm_90 GPU (H100/H200); ",
+              x.device(), " is not one: use impl='unfused'");
+  TORCH_CHECK(fused_supports_dstate(N), "selscan_fused: d_state N = ", N,
+              " is not supported by impl='fused' (supported: 8, 16, 32, 64); use impl='unfused'");
+  TORCH_CHECK(Dm % kFusedChannelTile == 0 && Dm >= kFusedChannelTile && Dm <= kFusedMaxDim,
+              "selscan_fused: d_model D = ", Dm, " is not supported by impl='fused' (a multiple of ",
+              kFusedChannelTile, " from ", kFusedChannelTile, " to ", kFusedMaxDim, "); use impl='unfused'");
+}
+
+FusedParams make_params(const at::Tensor& x, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
+  FusedParams p;
+  p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
+  p.dtype = to_dtype(x.scalar_type(), "x");
+  // float32 products follow torch.get_float32_matmul_precision(): "highest" -> 3xTF32.
+  p.fp32_3xtf32 = at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::HIGHEST;
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::Tensor& A_log,
+                                             const at::Tensor& W_delta, const at::Tensor& b_delta,
+                                             const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
+                                             const c10::optional<at::Tensor>& h0, bool return_final_state,
+                                             int64_t l_segments) {
+  auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
+  check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
+  check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
+  check_tensor(W_C, "W_C", x_in, {N, Dm}, x_in.scalar_type());
+  check_fused_envelope(x_in, Dm, N);
+  TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX, "selscan_fused: impl='fused' takes L and batch below 2^31");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  if (batch == 0 || L == 0) return empty_result(x_in, batch, Dm, N, h0, return_final_state);
+
+  // TMA reads 16-byte aligned, contiguous tensors.
+  const at::Tensor x = aligned_contiguous(x_in);
+  const at::Tensor Wd = aligned_contiguous(W_delta), Wb = aligned_contiguous(W_B), Wc = aligned_contiguous(W_C);
+  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
+  at::Tensor h0_c;
+  if (h0) h0_c = h0->contiguous();
+
+  FusedParams p = make_params(x, batch, L, Dm, N);
+  p.x = x.data_ptr(); p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, x.get_device(), &plan), "planning the fused kernel");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
+
+  at::Tensor y = at::empty({batch, L, Dm}, x.options());
+  at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
+                                     : at::empty({0}, x.options().dtype(at::kFloat));
+  const int64_t ws_floats = fused_workspace_floats(batch, Dm, N, p.n_segments);
+  at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+  }
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch");
+  return {y, hT};
+}
+
+// [n_segments, seg_len] the fused kernel would use for x's shape.
+std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "selscan_fused: fused_plan needs a CUDA x of shape (batch, L, D)");
+  check_fused_envelope(x, x.size(2), dstate);
+  const c10::cuda::CUDAGuard guard(x.device());
+  FusedParams p = make_params(x, x.size(0), x.size(1), x.size(2), dstate);
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, x.get_device(), &plan), "planning the fused kernel");
+  return {plan.n_segments, plan.seg_len};
+}
+
+void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
+
+}  // namespace
+}  // namespace selscan
+
+TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
+  m.def("fused_fwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
+        "Tensor D, Tensor? h0, bool return_final_state, int l_segments) -> (Tensor, Tensor)");
+  m.def("fused_plan(Tensor x, int dstate, int l_segments) -> int[]");
+  m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
+}
+
+TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
+  m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_plan", &selscan::fused_plan_op);
+}
+
+TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
+  m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_plan", &selscan::fused_plan_op);
+}

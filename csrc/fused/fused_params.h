@@ -1,0 +1,45 @@
+// Parameters of the fused kernel (csrc/fused/fused_kernel.cuh): one launch from x to y.
+// Torch-free; every offset is 64-bit; counts are in elements.
+#pragma once
+#include <cstdint>
+
+#include "../common/dtype.h"
+
+namespace selscan {
+
+struct FusedParams {
+  // Sizes.
+  int64_t batch = 0;    // number of sequences
+  int64_t seqlen = 0;   // L
+  int64_t dim = 0;      // D (d_model): a multiple of 64
+  int64_t dstate = 0;   // N: 8, 16, 32 or 64
+  DType dtype = DType::kBFloat16;  // x, the projection weights and y
+  // float32 only: three TF32 products per product (big*big + big*small + small*big), accurate to
+  // float32 ("highest"); false: one TF32 product ("high"/"medium").
+  bool fp32_3xtf32 = true;
+
+  // Inputs, all contiguous.
+  const void* x = nullptr;          // (batch, L, D), dtype
+  const void* W_delta = nullptr;    // (D, D), dtype
+  const void* W_B = nullptr;        // (N, D), dtype
+  const void* W_C = nullptr;        // (N, D), dtype
+  const float* A_log = nullptr;     // (D, N)
+  const float* b_delta = nullptr;   // (D,)
+  const float* D = nullptr;         // (D,)
+  const float* h0 = nullptr;        // (batch, D, N) or null
+
+  // Outputs.
+  void* y = nullptr;                // (batch, L, D), dtype
+  float* final_state = nullptr;     // (batch, D, N) or null
+
+  // L split (see scan_params.h: same two-phase scheme, with the projections recomputed in phase 2).
+  int64_t n_segments = 1;
+  int64_t seg_len = 0;              // a multiple of the token tile (64)
+  float* workspace = nullptr;       // fused_workspace_floats(...) floats, uninitialised is fine
+};
+
+inline int64_t fused_workspace_floats(int64_t batch, int64_t dim, int64_t dstate, int64_t n_segments) {
+  return n_segments > 1 ? (n_segments - 1) * batch * dim * (dstate + 1) : 0;
+}
+
+}  // namespace selscan

@@ -1,0 +1,77 @@
+// Argument checks shared by the op bindings (csrc/torch_ops.cpp, csrc/fused/fused_ops.cpp): each error
+// names the offending argument, and all of them run before anything is allocated or launched.
+#pragma once
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "common/dtype.h"
+
+namespace selscan {
+namespace {
+
+#define SELSCAN_CUDA_OK(expr, what)                                                       \
+  do {                                                                                    \
+    const cudaError_t err__ = (expr);                                                     \
+    TORCH_CHECK(err__ == cudaSuccess, "selscan_fused: ", what, " failed: ",              \
+                cudaGetErrorName(err__), ": ", cudaGetErrorString(err__));                \
+  } while (0)
+
+inline DType to_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: break;
+  }
+  TORCH_CHECK(false, "selscan_fused: ", name, " has dtype ", t,
+              "; the CUDA paths take float32, bfloat16 or float16 (impl='reference' also takes float64)");
+}
+
+inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& x, at::IntArrayRef shape,
+                  c10::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(t.device() == x.device(), "selscan_fused: ", name, " is on ", t.device(), " but x is on ",
+              x.device(), "; all tensors must be on the same device");
+  TORCH_CHECK(t.sizes() == shape, "selscan_fused: ", name, " has shape ", t.sizes(), ", expected ", shape);
+  if (dtype) {
+    TORCH_CHECK(t.scalar_type() == *dtype, "selscan_fused: ", name, " has dtype ", t.scalar_type(),
+                ", expected ", *dtype);
+  }
+}
+
+// Shapes shared by every op. Returns (batch, L, D, N).
+inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_common(const at::Tensor& x, const at::Tensor& A_log,
+                                                            const at::Tensor& b_delta, const at::Tensor& D,
+                                                            const c10::optional<at::Tensor>& h0) {
+  TORCH_CHECK(x.is_cuda(), "selscan_fused: x is on ", x.device(),
+              "; the CUDA paths need CUDA tensors (impl='reference' runs on the CPU)");
+  TORCH_CHECK(x.dim() == 3, "selscan_fused: x must have shape (batch, L, D), got ", x.sizes());
+  to_dtype(x.scalar_type(), "x");
+  TORCH_CHECK(A_log.dim() == 2, "selscan_fused: A_log must have shape (D, N), got ", A_log.sizes());
+  const int64_t batch = x.size(0), L = x.size(1), Dm = x.size(2), N = A_log.size(1);
+  check_tensor(A_log, "A_log", x, {Dm, N}, at::kFloat);
+  check_tensor(b_delta, "b_delta", x, {Dm}, at::kFloat);
+  check_tensor(D, "D", x, {Dm}, at::kFloat);
+  if (h0) check_tensor(*h0, "h0", x, {batch, Dm, N}, at::kFloat);
+  return {batch, L, Dm, N};
+}
+
+// 16-byte aligned and contiguous, as the kernels' vector loads need.
+inline at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+inline std::tuple<at::Tensor, at::Tensor> empty_result(const at::Tensor& x, int64_t batch, int64_t Dm, int64_t N,
+                                                const c10::optional<at::Tensor>& h0, bool return_final_state) {
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor hT = at::empty({0}, x.options().dtype(at::kFloat));
+  if (return_final_state) hT = h0 ? h0->clone(at::MemoryFormat::Contiguous) : at::zeros({batch, Dm, N}, hT.options());
+  return {y, hT};
+}
+
+}  // namespace
+}  // namespace selscan
