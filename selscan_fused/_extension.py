@@ -6,12 +6,19 @@ from pathlib import Path
 import torch
 
 _C = None
+_fused = None
 _load_error: BaseException | None = None
+_fused_load_error: BaseException | None = None
 
 try:
     from . import _C  # noqa: F401  (registers the torch.ops.selscan_fused.* CUDA ops)
 except (ImportError, OSError) as e:  # not built, or built against another torch
     _load_error = e
+if _C is not None:
+    try:
+        from . import _fused  # noqa: F401  (registers torch.ops.selscan_fused.fused_*)
+    except (ImportError, OSError) as e:
+        _fused_load_error = e
 
 REBUILD_COMMAND = (
     f"pip install --no-build-isolation --no-deps --force-reinstall {Path(__file__).resolve().parent.parent}"
@@ -24,6 +31,11 @@ def extension_available() -> bool:
     return _C is not None
 
 
+def fused_extension_available() -> bool:
+    """True when the fused kernel's extension (selscan_fused._fused) loaded too."""
+    return _fused is not None
+
+
 def build_info() -> dict:
     """What the extension was built against (empty when it was never built)."""
     try:
@@ -34,6 +46,9 @@ def build_info() -> dict:
 
 
 def extension_error_message(impl: str) -> str:
+    if _C is not None and impl == "fused" and _fused is None:
+        return (f"selscan_fused: impl='fused' needs the extension selscan_fused._fused, which did not load: "
+                f"{_fused_load_error}. Rebuild with:\n    {REBUILD_COMMAND}")
     info = build_info()
     if not info:
         why = ("the package was installed without it (no CUDA toolkit found at build time, "
@@ -48,5 +63,5 @@ def extension_error_message(impl: str) -> str:
 
 
 def require_extension(impl: str) -> None:
-    if _C is None:
+    if _C is None or (impl == "fused" and _fused is None):
         raise RuntimeError(extension_error_message(impl))

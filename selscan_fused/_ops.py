@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._extension import extension_available
+from ._extension import extension_available, fused_extension_available
 
 BACKWARD_MESSAGE = (
     "selscan_fused: the backward pass of the CUDA paths (impl='unfused', 'fused') is not implemented; "
@@ -41,3 +41,12 @@ if extension_available():
 
     for _name in ("selscan_fused::unfused_fwd", "selscan_fused::scan_fwd"):
         torch.library.register_autograd(_name, _no_backward, setup_context=_no_setup)
+
+
+if fused_extension_available():
+
+    @torch.library.register_fake("selscan_fused::fused_fwd")
+    def _fused_fwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments):
+        return _fake_outputs(x, A_log, return_final_state)
+
+    torch.library.register_autograd("selscan_fused::fused_fwd", _no_backward, setup_context=_no_setup)

@@ -15,6 +15,18 @@ IMPLS = ("auto", "fused", "unfused", "reference")
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 UNFUSED_DSTATES = (8, 16, 32, 64)
 UNFUSED_DIM_MULTIPLE = 8
+FUSED_DSTATES = (8, 16, 32, 64)
+FUSED_DIM_MULTIPLE = 64
+FUSED_MAX_DIM = 8192
+
+_is_sm90: dict = {}  # device index -> whether it is an sm_90 GPU (H100/H200)
+
+
+def _sm90(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _is_sm90:
+        _is_sm90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
+    return _is_sm90[idx]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +34,9 @@ class ScanConfig:
     """Ablation switches (0 means: chosen by the library's measured defaults).
 
     l_segments: how many segments each sequence's L is cut into, so that CTAs along L share the work
-        (the state is carried between them inside the launch). 0 = automatic: split only when
-        batch x channel tiles cannot fill the GPU.
+        (the state is carried between them inside the launch); at most this many, since segments are
+        whole token tiles. 0 = automatic: split only when batch x channel tiles cannot fill the GPU.
+        Applies to impl='unfused' and impl='fused'.
     """
 
     l_segments: int = 0
@@ -68,21 +81,28 @@ def _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
 
 def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
     """Why `impl` cannot run these inputs, or None when it can. impl: 'unfused' or 'fused'."""
-    if impl == "fused":
-        return "the fused kernel is not built yet (issue 3); use impl='unfused'"
     if not x.is_cuda:
         return f"x is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
     if x.dtype not in CUDA_DTYPES:
         return (f"x has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
                 "(impl='reference' also takes float64)")
+    Dm = x.shape[2]
+    if impl == "fused":
+        if not _sm90(x.device):
+            return f"impl='fused' needs an sm_90 GPU (H100/H200), {x.device} is not one; use impl='unfused'"
+        if d_state not in FUSED_DSTATES:
+            return (f"d_state N = {d_state} is not supported by impl='fused' (supported: "
+                    f"{', '.join(map(str, FUSED_DSTATES))}); use impl='unfused'")
+        if Dm % FUSED_DIM_MULTIPLE != 0 or not FUSED_DIM_MULTIPLE <= Dm <= FUSED_MAX_DIM:
+            return (f"d_model D = {Dm} is not supported by impl='fused' (a multiple of {FUSED_DIM_MULTIPLE} "
+                    f"from {FUSED_DIM_MULTIPLE} to {FUSED_MAX_DIM}); use impl='unfused'")
+        return None
     if d_state not in UNFUSED_DSTATES:
         return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
                 f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
-    if x.shape[2] % UNFUSED_DIM_MULTIPLE != 0:
-        return (f"d_model D = {x.shape[2]} is not supported by impl='{impl}' (D must be a multiple of "
+    if Dm % UNFUSED_DIM_MULTIPLE != 0:
+        return (f"d_model D = {Dm} is not supported by impl='{impl}' (D must be a multiple of "
                 f"{UNFUSED_DIM_MULTIPLE}); use impl='reference'")
-    if not extension_available():
-        return None  # require_extension() explains this one
     return None
 
 
@@ -94,9 +114,10 @@ def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
         return impl
     if not x.is_cuda or x.dtype == torch.float64:
         return "reference"
-    for candidate in ("fused", "unfused"):
-        if extension_available() and unsupported_reason(candidate, x, d_state) is None:
-            return candidate
+    # The fused kernel is not picked yet: its first version is correct but slower than the unfused path
+    # on the named shapes (docs/perf-notes.md, fused v1); impl='fused' selects it explicitly.
+    if extension_available() and unsupported_reason("unfused", x, d_state) is None:
+        return "unfused"
     if not extension_available():
         require_extension("auto")  # a CUDA tensor but no extension: say why and how to rebuild
     return "reference"
@@ -128,8 +149,9 @@ def selective_scan(
     are cast to the autocast dtype first, as torch.nn.functional.linear would.
 
     impl: 'reference' (plain PyTorch, any device), 'unfused' (cuBLAS projections + this project's scan
-    kernel), 'fused' (one kernel; not built yet), 'auto' (the fastest of these that supports the inputs;
-    on CPU or float64: the reference). resolve_impl() tells which one 'auto' picks.
+    kernel), 'fused' (one CUTLASS/CuTe kernel launch, H100/H200), 'auto' (the fastest of these that
+    supports the inputs: the unfused path on CUDA until the fused kernel beats it, the reference on CPU
+    or for float64). resolve_impl() tells which one 'auto' picks.
     """
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
@@ -157,6 +179,6 @@ def selective_scan(
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
         require_extension(chosen)
-        y, h = torch.ops.selscan_fused.unfused_fwd(
-            x, A_log, W_delta, b_delta, W_B, W_C, D, h0, bool(return_final_state), int(cfg.l_segments))
+        op = torch.ops.selscan_fused.fused_fwd if chosen == "fused" else torch.ops.selscan_fused.unfused_fwd
+        y, h = op(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, bool(return_final_state), int(cfg.l_segments))
     return (y, h) if return_final_state else y

@@ -59,9 +59,10 @@ def main() -> None:
     print(f"{'dtype':22} {'path':10} {'ms':>9} {'rel L2 err':>11} {'bound':>7}")
     modes = [("bfloat16", torch.bfloat16, "highest", 1e-2), ("float16", torch.float16, "highest", 3e-3),
              ("float32 ('highest')", torch.float32, "highest", 1e-5), ("float32 ('high')", torch.float32, "high", 1e-3)]
-    impls = [i for i in ("fused", "unfused") if i != "fused" or
-             selscan_fused.resolve_impl("auto", torch.empty(1, 1, 256, device="cuda"), 16) == "fused"]
-    impls.append("reference")
+    from selscan_fused.api import unsupported_reason
+    probe = torch.empty(1, 1, 256, device="cuda")
+    impls = (["fused"] if selscan_fused._extension.fused_extension_available()
+             and unsupported_reason("fused", probe, 16) is None else []) + ["unfused", "reference"]
     ok = True
     for name, dtype, prec, bound in modes:
         torch.set_float32_matmul_precision(prec)

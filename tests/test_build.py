@@ -23,3 +23,23 @@ def test_extension_loads_where_required():
 def test_load_error_message_gives_the_rebuild_command():
     msg = _extension.extension_error_message("unfused")
     assert "pip install --no-build-isolation" in msg and "impl='unfused'" in msg
+
+
+def test_extension_errors_are_catchable():
+    """A bad call into the extension raises a Python error instead of crashing the process (a host
+    compiler with a mismatched C++ runtime once made every error a segfault). Run in a subprocess so
+    that a crash fails this test instead of the whole session."""
+    if not selscan_fused.extension_available():
+        pytest.skip("the extension is not built here")
+    import subprocess
+    import sys
+    code = (
+        "import torch, selscan_fused\n"
+        "x = torch.randn(1, 2, 8)\n"
+        "try:\n"
+        "    torch.ops.selscan_fused.unfused_fwd(x, torch.randn(8, 8), x[0, :, :8].repeat(4, 1), torch.randn(8),\n"
+        "        torch.randn(8, 8), torch.randn(8, 8), torch.randn(8), None, False, 0)\n"
+        "except RuntimeError as e:\n"
+        "    print('raised:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "raised:" in out.stdout and "x is on cpu" in out.stdout, out.stderr[-2000:]

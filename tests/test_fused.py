@@ -1,0 +1,144 @@
+"""The fused kernel (impl='fused', H100/H200) against the float64 evaluation, and its contract: one
+kernel launch, nothing allocated beyond y / final state / workspace, deterministic, a torch op."""
+import pytest
+import torch
+
+import selscan_fused
+from selscan_fused import ScanConfig
+from conftest import (DTYPES, TOLERANCE, call, check_against_float64, fresh_seed, make_inputs, matmul_precision,
+                      requires_hopper)
+
+pytestmark = [requires_hopper]
+
+# (batch, L, D, N): L = 1, 7, 1000, 4097; batch 1 and 3; D multiples of 64 from 64 to 2048; every N.
+SHAPES = [
+    (1, 1, 64, 16),
+    (3, 7, 128, 8),
+    (1, 1000, 256, 32),
+    (3, 1000, 1024, 8),
+    (3, 4097, 64, 16),
+    (1, 4097, 2048, 16),
+    (3, 7, 2048, 32),
+    (1, 1000, 512, 64),
+    (2, 130, 192, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", list(TOLERANCE))
+@pytest.mark.parametrize("with_h0", [False, True], ids=["h0=0", "h0"])
+def test_fused_matches_float64(shape, mode, with_h0, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(*shape, dtype=DTYPES[mode], device="cuda", with_h0=with_h0)
+        y, h = call(inp, "fused", return_final_state=True)
+    check_against_float64(inp, y, h, mode)
+
+
+@pytest.mark.parametrize("l_segments", [1, 3, 16])
+@pytest.mark.parametrize("mode", ["float32-highest", "bfloat16"])
+def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, 3001, 128, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        n_seg, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
+        assert (n_seg == 1) == (l_segments == 1) and n_seg <= l_segments and n_seg * seg_len >= 3001
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+    check_against_float64(inp, y, h, mode)
+
+
+def test_fused_long_sequence_splits_along_L(poisoned_outputs):
+    """S4-like: one sequence of 65,537 tokens; the state travels along L inside the launch."""
+    fresh_seed()
+    inp = make_inputs(1, 65537, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 0)
+    assert n_seg >= 16
+    y, h = call(inp, "fused", return_final_state=True)
+    check_against_float64(inp, y, h, "bfloat16")
+
+
+@pytest.mark.parametrize("L,l_segments", [(300, 0), (3000, 8)])
+def test_one_kernel_and_no_intermediates(L, l_segments):
+    fresh_seed()
+    inp = make_inputs(2, L, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    cfg = ScanConfig(l_segments=l_segments)
+    call(inp, "fused", return_final_state=True, config=cfg)  # warm-up (descriptor caches, attributes)
+    torch.cuda.synchronize()
+    stats0 = torch.cuda.memory_stats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y, h = call(inp, "fused", return_final_state=True, config=cfg)
+        torch.cuda.synchronize()
+    stats1 = torch.cuda.memory_stats()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name for e in kernels]
+    print(names)
+    assert len(kernels) == 1 and "fused_kernel" in names[0], names
+    n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
+    allocs = stats1["allocation.all.allocated"] - stats0["allocation.all.allocated"]
+    nbytes = stats1["allocated_bytes.all.allocated"] - stats0["allocated_bytes.all.allocated"]
+    ws = (n_seg - 1) * 2 * 256 * 17 * 4
+    budget = y.numel() * y.element_size() + h.numel() * 4 + ws
+    assert allocs <= 3 and nbytes <= budget + 3 * 512, (allocs, nbytes, budget)
+
+
+@pytest.mark.parametrize("l_segments", [1, 8])
+def test_fused_deterministic(l_segments):
+    fresh_seed()
+    inp = make_inputs(2, 2500, 512, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    cfg = ScanConfig(l_segments=l_segments)
+    y1, h1 = call(inp, "fused", return_final_state=True, config=cfg)
+    y2, h2 = call(inp, "fused", return_final_state=True, config=cfg)
+    assert torch.equal(y1, y2) and torch.equal(h1, h2)
+
+
+def test_fused_envelope_errors():
+    inp = make_inputs(2, 5, 96, 16, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="d_model D = 96 is not supported by impl='fused'.*impl='unfused'"):
+        call(inp, "fused")
+    inp = make_inputs(2, 5, 128, 12, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="d_state N = 12 is not supported by impl='fused'"):
+        call(inp, "fused")
+    inp = make_inputs(2, 5, 128, 16, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="d_model D = 96 is not supported by impl='fused'"):
+        torch.ops.selscan_fused.fused_fwd(inp["x"][..., :96].contiguous(), inp["A_log"][:96], inp["W_delta"][:96, :96],
+                                         inp["b_delta"][:96], inp["W_B"][:, :96], inp["W_C"][:, :96], inp["D"][:96],
+                                         None, False, 0)
+
+
+def test_fused_empty_inputs():
+    inp = make_inputs(0, 5, 64, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    y, h = call(inp, "fused", return_final_state=True)
+    assert y.shape == (0, 5, 64) and h.shape == (0, 64, 16)
+    inp = make_inputs(2, 0, 64, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    y, h = call(inp, "fused", return_final_state=True)
+    torch.testing.assert_close(h, inp["h0"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_opcheck(dtype):
+    inp = make_inputs(2, 70, 128, 16, dtype=dtype, device="cuda", with_h0=True)
+    args = (inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"], inp["h0"],
+            True, 0)
+    torch.library.opcheck(torch.ops.selscan_fused.fused_fwd.default, args)
+
+
+def test_fused_compile_and_cuda_graph(poisoned_outputs):
+    fresh_seed()
+    layer = selscan_fused.SelectiveScan(256, 16, impl="fused").cuda().to(torch.bfloat16)
+    x = torch.randn(2, 700, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        static_x = x.clone()
+        with torch.cuda.graph(g):
+            static_y = layer(static_x)
+        for _ in range(2):
+            static_x.copy_(torch.randn_like(static_x))
+            g.replay()
+            torch.testing.assert_close(static_y, layer(static_x), rtol=0, atol=0)
