@@ -26,6 +26,7 @@ from shapes import MAMBA_SCAN_ONLY, MAMBA_USER_PATH, SHAPES, floors  # noqa: E40
 
 import selscan_fused  # noqa: E402
 from selscan_fused import ScanConfig  # noqa: E402
+from selscan_fused.api import unsupported_reason  # noqa: E402
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp32-high": torch.float32}
 _flush = None
@@ -88,7 +89,8 @@ def paths(inp, impls, segments):
                 proj, inp["x"], inp["A_log"], inp["b_delta"], inp["D"], None, False, seg)))
     if "gemm" in impls:
         out.append(("cublas-projections", lambda: x2 @ W.T))
-    if "fused" in impls and selscan_fused.resolve_impl("auto", inp["x"], inp["A_log"].shape[1]) == "fused":
+    if ("fused" in impls and selscan_fused._extension.fused_extension_available()
+            and unsupported_reason("fused", inp["x"], inp["A_log"].shape[1]) is None):
         out.append(("fused", lambda: selscan_fused.selective_scan(*args, impl="fused")))
     return out
 
@@ -96,7 +98,7 @@ def paths(inp, impls, segments):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="S1,S2,S3,S4,S5-1,S5-16,S5-64")
-    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--dtypes", default="bf16,fp32,fp32-high")
     ap.add_argument("--impls", default="fused,unfused,scan,gemm")
     ap.add_argument("--segments", default="0", help="L-split values to time (0 = automatic)")
     ap.add_argument("--reps", type=int, default=30)

@@ -26,13 +26,21 @@ if ! $PY -c "import cutlass_library" 2>/dev/null && [ -z "${SELSCAN_CUTLASS_DIR:
   export SELSCAN_CUTLASS_DIR=/tmp/selscan_cutlass/cutlass_library/source
 fi
 
+# The host compiler: the system g++ unless SELSCAN_CXX names another. (Seen on the H200 image: its
+# CXX=/opt/gcc/bin/g++ builds extensions whose C++ exceptions crash the process on the first error.)
+if [ -n "${SELSCAN_CXX:-}" ]; then export CXX=$SELSCAN_CXX; elif command -v g++ >/dev/null; then
+  export CXX=$(command -v g++) CC=$(command -v gcc)
+fi
+
 t0=$(date +%s)
 if [ -n "${SELSCAN_PREBUILT:-}" ]; then
-  cp "$SELSCAN_PREBUILT"/_C*.so "$SELSCAN_PREBUILT"/_build_info.py selscan_fused/ || exit 1
+  cp "$SELSCAN_PREBUILT"/*.so "$SELSCAN_PREBUILT"/_build_info.py selscan_fused/ || exit 1
   echo "using the prebuilt extension in $SELSCAN_PREBUILT" | tee "$LOG/build.log"
 else
+  # In place, without pip: the GPU machine has no package registry, and a pip editable install can
+  # fall back to `setup.py develop`, which asks the registry for setuptools.
   MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=${NVCC_THREADS:-2} \
-    $PY -m pip install --no-build-isolation --no-deps --no-index -v -e . >"$LOG/build.log" 2>&1 || { echo "BUILD FAILED"; tail -n 40 "$LOG/build.log"; exit 1; }
+    $PY setup.py build_ext --inplace >"$LOG/build.log" 2>&1 || { echo "BUILD FAILED"; tail -n 40 "$LOG/build.log"; exit 1; }
 fi
 t1=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
