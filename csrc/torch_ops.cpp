@@ -58,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at:
   at::Tensor y = at::empty({batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
-  const int64_t ws_floats = scan_workspace_floats(batch, Dm, N, p.n_segments);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   poison(y);
   poison(hT);

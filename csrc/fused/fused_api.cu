@@ -34,11 +34,8 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int dev
     n = std::max<int64_t>(1, sms / streams);
     n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / 512));
   }
-  n = std::max<int64_t>(1, std::min(n, max_segments));
-  int64_t seg_len = (seqlen + n - 1) / n;
-  seg_len = (seg_len + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;
-  out->seg_len = seg_len;
-  out->n_segments = (seqlen + seg_len - 1) / seg_len;
+  split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), kFusedTokenTile, &out->n_segments,
+                &out->seg_len);
   return cudaSuccess;
 }
 

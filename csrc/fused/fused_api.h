@@ -24,7 +24,7 @@ struct FusedLaunchInfo {
 cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
 
 // Launches on `stream` (p.n_segments/seg_len from fused_plan, p.workspace sized by
-// fused_workspace_floats). Returns the first CUDA error met.
+// split_workspace_floats). Returns the first CUDA error met.
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);
 
 }  // namespace selscan

@@ -52,8 +52,6 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
-__host__ __device__ __forceinline__ int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
-
 // Streams: (segment, sequence, channel tile), segment-major.
 struct Stream {
   int64_t seg, b, j;      // segment, sequence, channel tile
@@ -69,7 +67,7 @@ __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t id
   s.b = (idx / n_ctiles) % p.batch;
   s.seg = idx / (n_ctiles * p.batch);
   s.t_begin = s.seg * p.seg_len;
-  const int64_t t_end = imin64(p.seqlen, s.t_begin + p.seg_len);
+  const int64_t t_end = min_i64(p.seqlen, s.t_begin + p.seg_len);
   s.n_tiles = (t_end - s.t_begin + Cfg::kT - 1) / Cfg::kT;
   return s;
 }
@@ -151,50 +149,37 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
 // ---------------------------------------------------------------------------------------------------
 // Tensor cores: products, softplus epilogue, hand-off.
 
-// 3xTF32: rem = v - tf32(v) for every element of one ring stage (same layout, element-wise).
-template <class Cfg>
-__device__ __forceinline__ void make_remainders(SharedStorage<Cfg>& ss, int stage, int rstage, int tid) {
-  auto split = [&](const float* big, float* small, int elems) {
-    const float4* b4 = reinterpret_cast<const float4*>(big);
-    float4* s4 = reinterpret_cast<float4*>(small);
+// Element-wise pass over one ring stage (x, W_delta, W_B, W_C chunks), written to `dst` in the same
+// layout (the stage itself, or the remainder buffers), then made visible to the tensor cores.
+template <class Cfg, class F>
+__device__ __forceinline__ void transform_stage(SharedStorage<Cfg>& ss, int stage, bool to_remainders, int tid,
+                                                F f) {
+  auto apply = [&](float* base, float* rem, int elems) {
+    const float4* src = reinterpret_cast<const float4*>(base + stage * elems);
+    float4* dst = reinterpret_cast<float4*>(to_remainders ? rem : base + stage * elems);
     for (int i = tid; i < elems / 4; i += Cfg::kMmaThreads) {
-      float4 v = b4[i];
-      auto rem = [](float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); };
-      s4[i] = make_float4(rem(v.x), rem(v.y), rem(v.z), rem(v.w));
+      const float4 v = src[i];
+      dst[i] = make_float4(f(v.x), f(v.y), f(v.z), f(v.w));
     }
   };
-  constexpr int kX = Cfg::kT * Cfg::kBK, kWd = Cfg::kDt * Cfg::kBK, kWn = Cfg::kN * Cfg::kBK;
-  split(reinterpret_cast<const float*>(ss.x.begin()) + stage * kX, reinterpret_cast<float*>(ss.xs.begin()) + rstage * kX, kX);
-  split(reinterpret_cast<const float*>(ss.wd.begin()) + stage * kWd, reinterpret_cast<float*>(ss.wds.begin()) + rstage * kWd, kWd);
-  split(reinterpret_cast<const float*>(ss.wb.begin()) + stage * kWn, reinterpret_cast<float*>(ss.wbs.begin()) + rstage * kWn, kWn);
-  split(reinterpret_cast<const float*>(ss.wc.begin()) + stage * kWn, reinterpret_cast<float*>(ss.wcs.begin()) + rstage * kWn, kWn);
+  auto fp = [](auto& arr) { return reinterpret_cast<float*>(arr.begin()); };
+  apply(fp(ss.x), fp(ss.xs), Cfg::kT * Cfg::kBK);
+  apply(fp(ss.wd), fp(ss.wds), Cfg::kDt * Cfg::kBK);
+  apply(fp(ss.wb), fp(ss.wbs), Cfg::kN * Cfg::kBK);
+  apply(fp(ss.wc), fp(ss.wcs), Cfg::kN * Cfg::kBK);
   cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
   named_sync(kBarMma, Cfg::kMmaThreads);
 }
 
-// 1xTF32 ("high"): round every element of one ring stage to TF32 in place (round to nearest; the
-// tensor cores would otherwise truncate, a bias that costs ~2x the error).
-template <class Cfg>
-__device__ __forceinline__ void round_to_tf32(SharedStorage<Cfg>& ss, int stage, int tid) {
-  auto round = [&](float* buf, int elems) {
-    float4* b4 = reinterpret_cast<float4*>(buf);
-    for (int i = tid; i < elems / 4; i += Cfg::kMmaThreads) {
-      float4 v = b4[i];
-      auto rna = [](float f) {
-        uint32_t r;
-        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
-        return __uint_as_float(r);
-      };
-      b4[i] = make_float4(rna(v.x), rna(v.y), rna(v.z), rna(v.w));
-    }
-  };
-  constexpr int kX = Cfg::kT * Cfg::kBK, kWd = Cfg::kDt * Cfg::kBK, kWn = Cfg::kN * Cfg::kBK;
-  round(reinterpret_cast<float*>(ss.x.begin()) + stage * kX, kX);
-  round(reinterpret_cast<float*>(ss.wd.begin()) + stage * kWd, kWd);
-  round(reinterpret_cast<float*>(ss.wb.begin()) + stage * kWn, kWn);
-  round(reinterpret_cast<float*>(ss.wc.begin()) + stage * kWn, kWn);
-  cutlass::arch::fence_view_async_shared();
-  named_sync(kBarMma, Cfg::kMmaThreads);
+// 3xTF32 ("highest"): the remainders v - tf32(v) of the stage (the tensor cores truncate v to tf32).
+__device__ __forceinline__ float tf32_remainder(float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); }
+
+// 1xTF32 ("high"): round to nearest in place (truncation by the tensor cores is a bias that costs ~2x the
+// error).
+__device__ __forceinline__ float tf32_round(float f) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+  return __uint_as_float(r);
 }
 
 template <class Cfg, class Args>
@@ -256,7 +241,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         for (int k = 0; k < k_tiles; ++k) {
           ring.consumer_wait(st.ring);
           const int stage = st.ring.index();
-          make_remainders<Cfg>(ss, stage, 0, tid);
+          transform_stage<Cfg>(ss, stage, true, tid, tf32_remainder);
           Tensor tmp_d = partition_fragment_C(mma_d, Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{});
           Tensor tmp_b = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
           Tensor tmp_c = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
@@ -306,7 +291,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       for (int k = 0; k < k_tiles; ++k) {
         ring.consumer_wait(st.ring);
         const int stage = st.ring.index();
-        if constexpr (Cfg::kTF32) round_to_tf32<Cfg>(ss, stage, tid);
+        if constexpr (Cfg::kTF32) transform_stage<Cfg>(ss, stage, false, tid, tf32_round);
         warpgroup_fence_operand(acc_d);
         warpgroup_fence_operand(acc_b);
         warpgroup_fence_operand(acc_c);
@@ -372,8 +357,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   const int c = tid / Cfg::kP;        // channel in the tile
   const int g = tid % Cfg::kP;        // state group
   const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
-  float* ws_sum_dt = p.workspace;
-  float* ws_h = p.workspace + (p.n_segments - 1) * p.batch * p.dim;
+  const SplitWorkspace ws(p.workspace, p.n_segments, p.batch, p.dim, kN);
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
@@ -385,12 +369,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     if (kFull) {
       CUTE_UNROLL
       for (int n = 0; n < kNS; ++n) h[n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d) * kN + g * kNS + n] : 0.f;
-      for (int64_t sp = 0; sp < s.seg; ++sp) {  // fold the earlier segments, in order
-        const int64_t cd = (sp * p.batch + s.b) * p.dim + d;
-        const float sd = __ldcg(ws_sum_dt + cd);
-        CUTE_UNROLL
-        for (int n = 0; n < kNS; ++n) h[n] = fmaf(ex2_approx(A2[n] * sd), h[n], __ldcg(ws_h + cd * kN + g * kNS + n));
-      }
+      ws.fold<kNS>(s.seg, s.b, d, g * kNS, A2, h);  // the earlier segments, in order
     } else {
       CUTE_UNROLL
       for (int n = 0; n < kNS; ++n) h[n] = 0.f;
@@ -475,10 +454,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     }
 
     if (!kFull) {
-      const int64_t cd = (s.seg * p.batch + s.b) * p.dim + d;
-      if (g == 0) ws_sum_dt[cd] = sum_dt;
-      CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) ws_h[cd * kN + g * kNS + n] = h[n];
+      ws.publish<kNS>(s.seg, s.b, d, g * kNS, h, sum_dt, g == 0);
     } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
       CUTE_UNROLL
       for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d) * kN + g * kNS + n] = h[n];
@@ -622,7 +598,7 @@ struct Launcher {
     const int64_t n_streams = p.batch * (p.dim / Cfg::kDt) * p.n_segments;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(unsigned(imin64(n_streams, sms)));
+    cfg.gridDim = dim3(unsigned(min_i64(n_streams, sms)));
     cfg.blockDim = dim3(Cfg::kThreads);
     cfg.dynamicSmemBytes = kSmem;
     cfg.stream = stream;

@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
   at::Tensor y = at::empty({batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
-  const int64_t ws_floats = fused_workspace_floats(batch, Dm, N, p.n_segments);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   if (g_poison_outputs.load(std::memory_order_relaxed)) {
     y.fill_(NAN);

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../common/dtype.h"
+#include "../common/l_split.h"
 
 namespace selscan {
 
@@ -35,11 +36,7 @@ struct FusedParams {
   // L split (see scan_params.h: same two-phase scheme, with the projections recomputed in phase 2).
   int64_t n_segments = 1;
   int64_t seg_len = 0;              // a multiple of the token tile (64)
-  float* workspace = nullptr;       // fused_workspace_floats(...) floats, uninitialised is fine
+  float* workspace = nullptr;       // split_workspace_floats(...) floats (common/l_split.h)
 };
-
-inline int64_t fused_workspace_floats(int64_t batch, int64_t dim, int64_t dstate, int64_t n_segments) {
-  return n_segments > 1 ? (n_segments - 1) * batch * dim * (dstate + 1) : 0;
-}
 
 }  // namespace selscan

@@ -71,8 +71,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__host__ __device__ __forceinline__ int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
-
 template <class Tr>
 struct Item {
   int64_t seg, b, tile;
@@ -302,9 +300,7 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
   const int64_t n_tiles = (p.dim + Tr::kDc - 1) / Tr::kDc;
   const int64_t items_per_seg = p.batch * n_tiles;
   const int64_t n_items = items_per_seg * p.n_segments;
-  // Workspace: sum_dt[(seg * batch + b) * dim + d], then h_end[((seg * batch + b) * dim + d) * N + n].
-  float* ws_sum_dt = p.workspace;
-  float* ws_h = p.workspace + (p.n_segments - 1) * p.batch * p.dim;
+  const SplitWorkspace ws(p.workspace, p.n_segments, p.batch, p.dim, Tr::kN);
   float A2[Tr::kNS];
   float h[Tr::kNS];
 
@@ -318,12 +314,7 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
       float sum_dt = 0.f;
       scan_segment<Tr, false>(s, p, it, A2, h, sum_dt);
       const int64_t d = it.d0 + c;
-      if (d < p.dim) {
-        const int64_t cd = (it.seg * p.batch + it.b) * p.dim + d;
-        if (g == 0) ws_sum_dt[cd] = sum_dt;
-#pragma unroll
-        for (int n = 0; n < Tr::kNS; ++n) ws_h[cd * Tr::kN + g * Tr::kNS + n] = h[n];
-      }
+      if (d < p.dim) ws.publish<Tr::kNS>(it.seg, it.b, d, g * Tr::kNS, h, sum_dt, g == 0);
     }
     __threadfence();
     cooperative_groups::this_grid().sync();
@@ -338,15 +329,7 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
 #pragma unroll
     for (int n = 0; n < Tr::kNS; ++n)
       h[n] = (p.h0 != nullptr && valid_d) ? p.h0[(it.b * p.dim + d) * Tr::kN + g * Tr::kNS + n] : 0.f;
-    if (kSplit && valid_d) {
-      for (int64_t sp = 0; sp < it.seg; ++sp) {
-        const int64_t cd = (sp * p.batch + it.b) * p.dim + d;
-        const float sd = __ldcg(ws_sum_dt + cd);
-#pragma unroll
-        for (int n = 0; n < Tr::kNS; ++n)
-          h[n] = fmaf(ex2_approx(A2[n] * sd), h[n], __ldcg(ws_h + cd * Tr::kN + g * Tr::kNS + n));
-      }
-    }
+    if (kSplit && valid_d) ws.fold<Tr::kNS>(it.seg, it.b, d, g * Tr::kNS, A2, h);
     float unused = 0.f;
     scan_segment<Tr, true>(s, p, it, A2, h, unused);
     if (p.final_state != nullptr && valid_d && it.seg == p.n_segments - 1) {

@@ -42,11 +42,7 @@ cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int devic
     n = (capacity + items_per_segment - 1) / items_per_segment;
     n = std::min(n, std::max<int64_t>(1, seqlen / kMinSegment));
   }
-  n = std::max<int64_t>(n, 1);
-  int64_t seg_len = (seqlen + n - 1) / n;
-  seg_len = (seg_len + kChunk - 1) / kChunk * kChunk;
-  out->seg_len = seg_len;
-  out->n_segments = (seqlen + seg_len - 1) / seg_len;
+  split_lengths(seqlen, std::max<int64_t>(n, 1), kChunk, &out->n_segments, &out->seg_len);
   return cudaSuccess;
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include "../common/dtype.h"
+#include "../common/l_split.h"
 
 namespace selscan {
 
@@ -38,12 +39,7 @@ struct ScanParams {
   // state and scans again writing y. Deterministic: fixed combine order, no atomics.
   int64_t n_segments = 1;
   int64_t seg_len = 0;
-  float* __restrict__ workspace = nullptr;  // scan_workspace_floats(...) floats, uninitialised is fine
+  float* __restrict__ workspace = nullptr;  // split_workspace_floats(...) floats (common/l_split.h)
 };
-
-// Floats of workspace the launch needs (0 when n_segments == 1).
-inline int64_t scan_workspace_floats(int64_t batch, int64_t dim, int64_t dstate, int64_t n_segments) {
-  return n_segments > 1 ? (n_segments - 1) * batch * dim * (dstate + 1) : 0;
-}
 
 }  // namespace selscan
