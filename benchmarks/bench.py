@@ -27,6 +27,7 @@ from shapes import MAMBA_SCAN_ONLY, MAMBA_USER_PATH, SHAPES, floors  # noqa: E40
 import selscan_fused  # noqa: E402
 from selscan_fused import ScanConfig  # noqa: E402
 from selscan_fused.api import unsupported_reason  # noqa: E402
+from selscan_fused.demo import make_inputs  # noqa: E402
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp32-high": torch.float32}
 _flush = None
@@ -64,12 +65,7 @@ def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
 
 def make(shape: str, dtype: str):
     b, L, D, N = SHAPES[shape]
-    dt = TORCH_DTYPE[dtype]
-    bound = D ** -0.5
-    u = lambda *s: ((torch.rand(*s, device="cuda") * 2 - 1) * bound)
-    return dict(x=torch.randn(b, L, D, device="cuda").to(dt), A_log=torch.randn(D, N, device="cuda"),
-                W_delta=u(D, D).to(dt), b_delta=u(D), W_B=u(N, D).to(dt), W_C=u(N, D).to(dt),
-                D=torch.randn(D, device="cuda"))
+    return make_inputs(b, L, D, N, TORCH_DTYPE[dtype], "cuda")
 
 
 def paths(inp, impls, segments):

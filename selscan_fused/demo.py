@@ -12,7 +12,8 @@ import selscan_fused
 from selscan_fused.reference import selective_scan_ref
 
 
-def _inputs(batch, L, Dm, N, dtype, device):
+def make_inputs(batch, L, Dm, N, dtype, device):
+    """Layer inputs with the original model's initialisation scales (also used by benchmarks/bench.py)."""
     bound = Dm ** -0.5
     u = lambda *s: (torch.rand(*s, device=device) * 2 - 1) * bound
     return dict(x=torch.randn(batch, L, Dm, device=device).to(dtype), A_log=torch.randn(Dm, N, device=device),
@@ -47,7 +48,7 @@ def main() -> None:
     print(f"selscan_fused {selscan_fused.__version__}, torch {torch.__version__}")
     if not torch.cuda.is_available():
         print("No CUDA GPU visible: the CUDA paths cannot run here. Checking the reference on a small case.")
-        inp = _inputs(2, 64, 32, 8, torch.float32, "cpu")
+        inp = make_inputs(2, 64, 32, 8, torch.float32, "cpu")
         y = selscan_fused.selective_scan(**{k: v for k, v in inp.items()}, impl="reference")
         print(f"reference float32 vs float64 evaluation, (2, 64, 32, N=8): rel L2 error {_rel(y, _f64(inp)):.2e}")
         print(f"CUDA extension built: {selscan_fused.extension_available()}")
@@ -66,7 +67,7 @@ def main() -> None:
     ok = True
     for name, dtype, prec, bound in modes:
         torch.set_float32_matmul_precision(prec)
-        inp = _inputs(8, 2048, 256, 16, dtype, "cuda")
+        inp = make_inputs(8, 2048, 256, 16, dtype, "cuda")
         y64 = _f64(inp)
         for impl in impls:
             fn = lambda: selscan_fused.selective_scan(**inp, impl=impl)
