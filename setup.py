@@ -84,6 +84,8 @@ def extension_modules():
     ]
     nvcc_fused = nvcc_common + [
         "-gencode=arch=compute_90a,code=sm_90a",  # wgmma, TMA, setmaxnreg: H100/H200 only
+        # wgmma N = 80, 96, ...: the stacked [W_delta; W_B; W_C] tile is kDt + 2N rows, one instruction
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
     ]
 
     write_build_info(torch, str(cuda_home), include_dirs[1])

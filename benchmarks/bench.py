@@ -85,9 +85,16 @@ def paths(inp, impls, segments):
                 proj, inp["x"], inp["A_log"], inp["b_delta"], inp["D"], None, False, seg)))
     if "gemm" in impls:
         out.append(("cublas-projections", lambda: x2 @ W.T))
-    if ("fused" in impls and selscan_fused._extension.fused_extension_available()
+    if (selscan_fused._extension.fused_extension_available()
             and unsupported_reason("fused", inp["x"], inp["A_log"].shape[1]) is None):
-        out.append(("fused", lambda: selscan_fused.selective_scan(*args, impl="fused")))
+        for seg in segments:
+            tag = "" if seg == 0 else f"[seg={seg}]"
+            # fused-poly: the ablation switch ScanConfig(exp_poly=True).
+            for name, poly in (("fused", False), ("fused-poly", True)):
+                if name in impls:
+                    cfg = ScanConfig(l_segments=seg, exp_poly=poly)
+                    out.append((f"{name}{tag}", lambda cfg=cfg: selscan_fused.selective_scan(
+                        *args, impl="fused", config=cfg)))
     return out
 
 
@@ -95,7 +102,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="S1,S2,S3,S4,S5-1,S5-16,S5-64")
     ap.add_argument("--dtypes", default="bf16,fp32,fp32-high")
-    ap.add_argument("--impls", default="fused,unfused,scan,gemm")
+    ap.add_argument("--impls", default="fused,unfused,scan,gemm",
+                    help="comma list of: fused, fused-poly (ScanConfig(exp_poly=True)), unfused, scan, gemm")
     ap.add_argument("--segments", default="0", help="L-split values to time (0 = automatic)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the rows here")

@@ -37,9 +37,14 @@ class ScanConfig:
         (the state is carried between them inside the launch); at most this many, since segments are
         whole token tiles. 0 = automatic: split only when batch x channel tiles cannot fill the GPU.
         Applies to impl='unfused' and impl='fused'.
+    exp_poly: impl='fused' only: one exponential in four is computed by a degree-5 polynomial exp2 on
+        the FMA pipes instead of the MUFU unit (max rel. error 2.3e-7). Off by default: measured no
+        faster on the H200, where the fused kernel is bound by shared-memory bandwidth, not MUFU
+        (docs/perf-notes.md).
     """
 
     l_segments: int = 0
+    exp_poly: bool = False
 
 
 DEFAULT_CONFIG = ScanConfig()
@@ -178,7 +183,15 @@ def selective_scan(
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
+        if cfg.exp_poly and chosen != "fused":
+            raise ValueError(f"selscan_fused: ScanConfig(exp_poly=True) applies to impl='fused' only; "
+                             f"this call runs impl={chosen!r}")
         require_extension(chosen)
-        op = torch.ops.selscan_fused.fused_fwd if chosen == "fused" else torch.ops.selscan_fused.unfused_fwd
-        y, h = op(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, bool(return_final_state), int(cfg.l_segments))
+        if chosen == "fused":
+            y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                     bool(return_final_state), int(cfg.l_segments),
+                                                     bool(cfg.exp_poly))
+        else:
+            y, h = torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                       bool(return_final_state), int(cfg.l_segments))
     return (y, h) if return_final_state else y

@@ -47,6 +47,24 @@ def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
+@pytest.mark.parametrize("shape", [(2, 1000, 256, 16), (1, 777, 128, 64), (3, 130, 64, 8), (1, 3001, 128, 32)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", list(TOLERANCE))
+def test_fused_exp_poly_matches_float64(shape, mode, poisoned_outputs):
+    """The ablation switch ScanConfig(exp_poly=True): a quarter of the exponentials by polynomial."""
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(*shape, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(exp_poly=True, l_segments=2))
+    check_against_float64(inp, y, h, mode)
+
+
+def test_exp_poly_is_fused_only():
+    inp = make_inputs(1, 9, 64, 16, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="exp_poly=True.*impl='fused' only"):
+        call(inp, "unfused", config=ScanConfig(exp_poly=True))
+
+
 def test_fused_long_sequence_splits_along_L(poisoned_outputs):
     """S4-like: one sequence of 65,537 tokens; the state travels along L inside the launch."""
     fresh_seed()

@@ -49,35 +49,41 @@ struct Config {
   using BlkN = Int<kN>;
   using BlkK = Int<kBK>;
 
+  // The stacked weight tile [W_delta slice; W_B; W_C]: kNW rows, so that one wgmma of N = kNW per
+  // K step reads the x tile once (three separate products read it three times, and the N = kN ones
+  // are shared-memory bound: docs/perf-notes.md, v2).
+  static constexpr int kNW = kDt + 2 * kN;
+  using BlkNW = Int<kNW>;
+
   // K-major 128-byte-swizzled operand tiles, kStages deep.
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              make_shape(BlkT{}, BlkK{}, Int<kStages>{})));
-  using SmemLayoutWd = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                              make_shape(BlkDt{}, BlkK{}, Int<kStages>{})));
-  using SmemLayoutWn = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                              make_shape(BlkN{}, BlkK{}, Int<kStages>{})));
-  // The same bytes as TMA sees them (float for float32 inputs).
+  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             make_shape(BlkNW{}, BlkK{}, Int<kStages>{})));
+  // The same bytes as TMA sees them (float for float32 inputs). W is written by three boxes per
+  // stage (rows [0, kDt), [kDt, kDt + kN), [kDt + kN, kNW)); every box starts on a 1024-byte
+  // boundary (kN rows of 128 bytes, kN a multiple of 8), so the hardware swizzle matches the
+  // wgmma view of the whole tile.
   using SmemLayoutXTma = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
                                                 make_shape(BlkT{}, BlkK{}, Int<kStages>{})));
-  using SmemLayoutWdTma = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
-                                                 make_shape(BlkDt{}, BlkK{}, Int<kStages>{})));
-  using SmemLayoutWnTma = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
-                                                 make_shape(BlkN{}, BlkK{}, Int<kStages>{})));
+  using SmemLayoutWdTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
+                                                  make_shape(BlkDt{}, BlkK{})));
+  using SmemLayoutWnTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
+                                                  make_shape(BlkN{}, BlkK{})));
+  static constexpr int kWStageElems = kNW * kBK;
   // TF32 remainders of one ring stage (only with k3x).
   static constexpr int kSmallPipe = 1;
   using SmemLayoutXs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                               make_shape(BlkT{}, BlkK{}, Int<kSmallPipe>{})));
-  using SmemLayoutWds = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               make_shape(BlkDt{}, BlkK{}, Int<kSmallPipe>{})));
-  using SmemLayoutWns = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               make_shape(BlkN{}, BlkK{}, Int<kSmallPipe>{})));
+  using SmemLayoutWs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                              make_shape(BlkNW{}, BlkK{}, Int<kSmallPipe>{})));
   // x tile for the scan: (tokens, channels) row-major, no swizzle (rows read across channels).
   using SmemLayoutXt = Layout<Shape<BlkT, BlkDt, Int<kXStages>>, Stride<BlkDt, _1, Int<kT * kDt>>>;
 
-  using MmaD = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkT, BlkDt, BlkK>,
-                                                            GMMA::Major::K, GMMA::Major::K>()));
-  using MmaN = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkT, BlkN, BlkK>,
-                                                            GMMA::Major::K, GMMA::Major::K>()));
+  // One tensor-core product per K step: (kT x kBK) . (kNW x kBK)^T -> acc (kT x kNW) =
+  // [delta pre-activation | B | C].
+  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkT, BlkNW, BlkK>,
+                                                           GMMA::Major::K, GMMA::Major::K>()));
 
   static constexpr uint32_t kRingBytes = uint32_t((kT + kDt + 2 * kN) * kBK * sizeof(Element));
   static constexpr uint32_t kXtBytes = uint32_t(kT * kDt * sizeof(Element));
@@ -89,13 +95,9 @@ template <class Cfg>
 struct SharedStorage {
   using E = typename Cfg::Element;
   alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutX>> x;
-  alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutWd>> wd;
-  alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutWn>> wb;
-  alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutWn>> wc;
+  alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutW>> w;
   alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutXs> : 1)> xs;
-  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutWds> : 1)> wds;
-  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutWns> : 1)> wbs;
-  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutWns> : 1)> wcs;
+  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutWs> : 1)> ws;
   alignas(128) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutXt>> xt;
   alignas(16) float dt[Cfg::kPStages][Cfg::kT][Cfg::kLdDt];   // softplus(acc + bias); 0 past L
   alignas(16) float B[Cfg::kPStages][Cfg::kT][Cfg::kLdN];

@@ -6,9 +6,10 @@
 // Roles (512 threads, one CTA per SM):
 //   warpgroup 0  producer: one elected lane issues the TMA loads. Per tile: the x tile (64 x kDt) the
 //                scan needs, then for every K chunk the operand tiles x[t0:t0+64, k:k+kBK],
-//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring.
-//   warpgroup 1  tensor cores: wgmma over K into three float32 accumulators (delta 64x64, B 64xN,
-//                C 64xN); 3xTF32 for float32 "highest" (the remainders made in shared memory); then
+//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring (the three
+//                weight boxes stacked into one tile).
+//   warpgroup 1  tensor cores: one wgmma per K step, x (64 x kBK) against the stacked weight tile
+//                [W_delta slice; W_B; W_C] (kDt + 2N rows), into one float32 accumulator; 3xTF32 for float32 "highest" (the remainders made in shared memory); then
 //                dt = softplus(acc + bias) (0 past L), B and C go to a kPStages hand-off tile, and
 //                it moves on to the next tile's products while the scan works on this one.
 //   warpgroups 2-3  scan: thread (channel c, group g) owns kNS = N/4 states of one channel;
@@ -33,6 +34,7 @@
 #include "../common/device_math.cuh"
 #include "fused_config.h"
 #include "fused_params.h"
+
 
 namespace selscan {
 namespace fused {
@@ -100,25 +102,24 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
   const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
   using TE = typename Cfg::TmaElement;
   Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.x.begin())), typename Cfg::SmemLayoutXTma{});
-  Tensor sWd = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wd.begin())), typename Cfg::SmemLayoutWdTma{});
-  Tensor sWb = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wb.begin())), typename Cfg::SmemLayoutWnTma{});
-  Tensor sWc = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.wc.begin())), typename Cfg::SmemLayoutWnTma{});
   Tensor sXt = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.xt.begin())), typename Cfg::SmemLayoutXt{});
+  TE* const w_base = reinterpret_cast<TE*>(ss.w.begin());
   Tensor mX = a.tma_x.get_tma_tensor(make_shape(L, Dm, Bt));
   Tensor mXt = a.tma_xt.get_tma_tensor(make_shape(L, Dm, Bt));
   Tensor mWd = a.tma_wd.get_tma_tensor(make_shape(Dm, Dm));
   Tensor mWb = a.tma_wb.get_tma_tensor(make_shape(N, Dm));
   Tensor mWc = a.tma_wc.get_tma_tensor(make_shape(N, Dm));
   const int k_tiles = Dm / Cfg::kBK;
+  // One stage's three weight boxes inside the stacked tile (rows [0,kDt), [kDt,kDt+kN), [kDt+kN,kNW)).
+  auto w_box = [&](int stage, int row0, auto layout) {
+    return make_tensor(make_smem_ptr(w_base + stage * Cfg::kWStageElems + row0 * Cfg::kBK), layout);
+  };
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
     Tensor gWd = local_tile(mWd, make_shape(typename Cfg::BlkDt{}, typename Cfg::BlkK{}), make_coord(int(s.j), _));
     Tensor gWb = local_tile(mWb, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
-    auto [tWdg, tWds] = tma_partition(a.tma_wd, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWd), group_modes<0, 2>(gWd));
-    auto [tWbg, tWbs] = tma_partition(a.tma_wb, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWb), group_modes<0, 2>(gWb));
-    auto [tWcg, tWcs] = tma_partition(a.tma_wc, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWc), group_modes<0, 2>(gWc));
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int t_tile = int((s.t_begin / Cfg::kT) + tile);
       // The x tile the scan reads.
@@ -137,9 +138,24 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
         auto* bar = ring.producer_get_barrier(st.ring);
         const int stage = st.ring.index();
         copy(a.tma_x.with(*bar), tXg(_, k), tXs(_, stage));
-        copy(a.tma_wd.with(*bar), tWdg(_, k), tWds(_, stage));
-        copy(a.tma_wb.with(*bar), tWbg(_, k), tWbs(_, stage));
-        copy(a.tma_wc.with(*bar), tWcg(_, k), tWcs(_, stage));
+        {
+          auto [g, sm] = tma_partition(a.tma_wd, Int<0>{}, Layout<_1>{},
+                                       group_modes<0, 2>(w_box(stage, 0, typename Cfg::SmemLayoutWdTma1{})),
+                                       group_modes<0, 2>(gWd));
+          copy(a.tma_wd.with(*bar), g(_, k), sm);
+        }
+        {
+          auto [g, sm] = tma_partition(a.tma_wb, Int<0>{}, Layout<_1>{},
+                                       group_modes<0, 2>(w_box(stage, Cfg::kDt, typename Cfg::SmemLayoutWnTma1{})),
+                                       group_modes<0, 2>(gWb));
+          copy(a.tma_wb.with(*bar), g(_, k), sm);
+        }
+        {
+          auto [g, sm] = tma_partition(a.tma_wc, Int<0>{}, Layout<_1>{},
+                                       group_modes<0, 2>(w_box(stage, Cfg::kDt + Cfg::kN, typename Cfg::SmemLayoutWnTma1{})),
+                                       group_modes<0, 2>(gWc));
+          copy(a.tma_wc.with(*bar), g(_, k), sm);
+        }
         ++st.ring;
       }
     }
@@ -149,7 +165,7 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
 // ---------------------------------------------------------------------------------------------------
 // Tensor cores: products, softplus epilogue, hand-off.
 
-// Element-wise pass over one ring stage (x, W_delta, W_B, W_C chunks), written to `dst` in the same
+// Element-wise pass over one ring stage (the x chunk and the stacked W chunk), written to `dst` in the same
 // layout (the stage itself, or the remainder buffers), then made visible to the tensor cores.
 template <class Cfg, class F>
 __device__ __forceinline__ void transform_stage(SharedStorage<Cfg>& ss, int stage, bool to_remainders, int tid,
@@ -164,9 +180,7 @@ __device__ __forceinline__ void transform_stage(SharedStorage<Cfg>& ss, int stag
   };
   auto fp = [](auto& arr) { return reinterpret_cast<float*>(arr.begin()); };
   apply(fp(ss.x), fp(ss.xs), Cfg::kT * Cfg::kBK);
-  apply(fp(ss.wd), fp(ss.wds), Cfg::kDt * Cfg::kBK);
-  apply(fp(ss.wb), fp(ss.wbs), Cfg::kN * Cfg::kBK);
-  apply(fp(ss.wc), fp(ss.wcs), Cfg::kN * Cfg::kBK);
+  apply(fp(ss.w), fp(ss.ws), Cfg::kWStageElems);
   cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
   named_sync(kBarMma, Cfg::kMmaThreads);
 }
@@ -189,44 +203,41 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
   const int tid = threadIdx.x - 128;  // 0..127 in the warpgroup
   using E = typename Cfg::Element;
   Tensor sX = make_tensor(make_smem_ptr(ss.x.begin()), typename Cfg::SmemLayoutX{});
-  Tensor sWd = make_tensor(make_smem_ptr(ss.wd.begin()), typename Cfg::SmemLayoutWd{});
-  Tensor sWb = make_tensor(make_smem_ptr(ss.wb.begin()), typename Cfg::SmemLayoutWn{});
-  Tensor sWc = make_tensor(make_smem_ptr(ss.wc.begin()), typename Cfg::SmemLayoutWn{});
+  Tensor sW = make_tensor(make_smem_ptr(ss.w.begin()), typename Cfg::SmemLayoutW{});
   Tensor sXs = make_tensor(make_smem_ptr(ss.xs.begin()), typename Cfg::SmemLayoutXs{});
-  Tensor sWds = make_tensor(make_smem_ptr(ss.wds.begin()), typename Cfg::SmemLayoutWds{});
-  Tensor sWbs = make_tensor(make_smem_ptr(ss.wbs.begin()), typename Cfg::SmemLayoutWns{});
-  Tensor sWcs = make_tensor(make_smem_ptr(ss.wcs.begin()), typename Cfg::SmemLayoutWns{});
+  Tensor sWs = make_tensor(make_smem_ptr(ss.ws.begin()), typename Cfg::SmemLayoutWs{});
 
-  typename Cfg::MmaD mma_d;
-  typename Cfg::MmaN mma_n;
-  auto thr_d = mma_d.get_thread_slice(tid);
-  auto thr_n = mma_n.get_thread_slice(tid);
-  Tensor tDrX = thr_d.make_fragment_A(thr_d.partition_A(sX));     // (MMA, M, K, PIPE) descriptors
-  Tensor tDrW = thr_d.make_fragment_B(thr_d.partition_B(sWd));
-  Tensor tNrX = thr_n.make_fragment_A(thr_n.partition_A(sX));
-  Tensor tBrW = thr_n.make_fragment_B(thr_n.partition_B(sWb));
-  Tensor tCrW = thr_n.make_fragment_B(thr_n.partition_B(sWc));
-  Tensor tDrXs = thr_d.make_fragment_A(thr_d.partition_A(sXs));
-  Tensor tDrWs = thr_d.make_fragment_B(thr_d.partition_B(sWds));
-  Tensor tNrXs = thr_n.make_fragment_A(thr_n.partition_A(sXs));
-  Tensor tBrWs = thr_n.make_fragment_B(thr_n.partition_B(sWbs));
-  Tensor tCrWs = thr_n.make_fragment_B(thr_n.partition_B(sWcs));
+  typename Cfg::Mma mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tAx = thr.make_fragment_A(thr.partition_A(sX));     // (MMA, M, K, PIPE) descriptors
+  Tensor tBw = thr.make_fragment_B(thr.partition_B(sW));
+  Tensor tAxs = thr.make_fragment_A(thr.partition_A(sXs));
+  Tensor tBws = thr.make_fragment_B(thr.partition_B(sWs));
 
-  Tensor acc_d = partition_fragment_C(mma_d, Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{});
-  Tensor acc_b = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
-  Tensor acc_c = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
-  // (row, col) of every accumulator register.
-  Tensor cD = thr_d.partition_C(make_identity_tensor(Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{}));
-  Tensor cN = thr_n.partition_C(make_identity_tensor(Shape<typename Cfg::BlkT, typename Cfg::BlkN>{}));
-  using CLayoutD = typename Cfg::MmaD::AtomLayoutC_TV;
-  static_assert(decltype(size<1, 0>(CLayoutD{}))::value == 2 && decltype(stride<1, 0>(CLayoutD{}))::value == Cfg::kT,
+  using TileShape = Shape<typename Cfg::BlkT, typename Cfg::BlkNW>;
+  Tensor acc = partition_fragment_C(mma, TileShape{});
+  // (row, col) of every accumulator register. The wgmma accumulator layout puts register i at column
+  // 2 * (lane % 4) + (i % 2) + 8 * (i / 4): the region (delta / B / C) of a register pair is known at
+  // compile time from i alone, since the region boundaries are multiples of 8.
+  Tensor cAcc = thr.partition_C(make_identity_tensor(TileShape{}));
+  using CLayout = typename Cfg::Mma::AtomLayoutC_TV;
+  static_assert(decltype(size<1, 0>(CLayout{}))::value == 2 && decltype(stride<1, 0>(CLayout{}))::value == Cfg::kT,
                 "accumulator register pairs must be adjacent columns");
+  static_assert(decltype(size<0, 0>(CLayout{}))::value == 4 && decltype(stride<0, 0>(CLayout{}))::value == 2 * Cfg::kT,
+                "lane % 4 must step 2 columns");
+  static_assert(decltype(size<1, 2>(CLayout{}))::value == Cfg::kNW / 8 &&
+                    decltype(stride<1, 2>(CLayout{}))::value == 8 * Cfg::kT,
+                "register groups of 4 must step 8 columns");
   const int k_tiles = int(p.dim / Cfg::kBK);
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
     const int64_t d0 = s.j * Cfg::kDt;
-    const float* bias = p.b_delta + d0;  // read in the epilogue (L1-resident), not held in registers
+    // The bias of this thread's delta columns 2 * (lane % 4) + 8 * v2 (+0, +1), held for the stream.
+    float2 bias2[Cfg::kDt / 8];
+    CUTE_UNROLL
+    for (int v2 = 0; v2 < Cfg::kDt / 8; ++v2)
+      bias2[v2] = __ldg(reinterpret_cast<const float2*>(p.b_delta + d0 + 2 * (tid % 4) + 8 * v2));
 
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int64_t t0 = s.t_begin + tile * Cfg::kT;
@@ -235,110 +246,78 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
         // with float32 (round-to-nearest) adds: the tensor cores' own accumulation truncates, and
         // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
-        clear(acc_d);
-        clear(acc_b);
-        clear(acc_c);
+        clear(acc);
         for (int k = 0; k < k_tiles; ++k) {
           ring.consumer_wait(st.ring);
           const int stage = st.ring.index();
           transform_stage<Cfg>(ss, stage, true, tid, tf32_remainder);
-          Tensor tmp_d = partition_fragment_C(mma_d, Shape<typename Cfg::BlkT, typename Cfg::BlkDt>{});
-          Tensor tmp_b = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
-          Tensor tmp_c = partition_fragment_C(mma_n, Shape<typename Cfg::BlkT, typename Cfg::BlkN>{});
-          mma_d.accumulate_ = GMMA::ScaleOut::Zero;
-          mma_n.accumulate_ = GMMA::ScaleOut::Zero;
-          warpgroup_fence_operand(tmp_d);
-          warpgroup_fence_operand(tmp_b);
-          warpgroup_fence_operand(tmp_c);
+          Tensor tmp = partition_fragment_C(mma, TileShape{});
+          mma.accumulate_ = GMMA::ScaleOut::Zero;
+          warpgroup_fence_operand(tmp);
           warpgroup_arrive();
           CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tDrX); ++kb) {
-            cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrW(_, _, kb, stage), tmp_d);
-            cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrW(_, _, kb, stage), tmp_b);
-            cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrW(_, _, kb, stage), tmp_c);
-            mma_d.accumulate_ = GMMA::ScaleOut::One;
-            mma_n.accumulate_ = GMMA::ScaleOut::One;
-            cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrWs(_, _, kb, 0), tmp_d);
-            cute::gemm(mma_d, tDrXs(_, _, kb, 0), tDrW(_, _, kb, stage), tmp_d);
-            cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrWs(_, _, kb, 0), tmp_b);
-            cute::gemm(mma_n, tNrXs(_, _, kb, 0), tBrW(_, _, kb, stage), tmp_b);
-            cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrWs(_, _, kb, 0), tmp_c);
-            cute::gemm(mma_n, tNrXs(_, _, kb, 0), tCrW(_, _, kb, stage), tmp_c);
+          for (int kb = 0; kb < size<2>(tAx); ++kb) {
+            cute::gemm(mma, tAx(_, _, kb, stage), tBw(_, _, kb, stage), tmp);
+            mma.accumulate_ = GMMA::ScaleOut::One;
+            cute::gemm(mma, tAx(_, _, kb, stage), tBws(_, _, kb, 0), tmp);
+            cute::gemm(mma, tAxs(_, _, kb, 0), tBw(_, _, kb, stage), tmp);
           }
           warpgroup_commit_batch();
           warpgroup_wait<0>();  // this chunk's products are in tmp; stage and remainders are free
-          warpgroup_fence_operand(tmp_d);
-          warpgroup_fence_operand(tmp_b);
-          warpgroup_fence_operand(tmp_c);
+          warpgroup_fence_operand(tmp);
           ring.consumer_release(st.ring);
           ++st.ring;
           CUTE_UNROLL
-          for (int i = 0; i < size(acc_d); ++i) acc_d(i) += tmp_d(i);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_b); ++i) {
-            acc_b(i) += tmp_b(i);
-            acc_c(i) += tmp_c(i);
-          }
+          for (int i = 0; i < size(acc); ++i) acc(i) += tmp(i);
           named_sync(kBarMma, Cfg::kMmaThreads);  // every thread's wgmma done before remainders are rewritten
         }
       } else {
-      auto release = st.ring;
-      mma_d.accumulate_ = GMMA::ScaleOut::Zero;
-      mma_n.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(acc_d);
-      warpgroup_fence_operand(acc_b);
-      warpgroup_fence_operand(acc_c);
-      for (int k = 0; k < k_tiles; ++k) {
-        ring.consumer_wait(st.ring);
-        const int stage = st.ring.index();
-        if constexpr (Cfg::kTF32) transform_stage<Cfg>(ss, stage, false, tid, tf32_round);
-        warpgroup_fence_operand(acc_d);
-        warpgroup_fence_operand(acc_b);
-        warpgroup_fence_operand(acc_c);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tDrX); ++kb) {
-          cute::gemm(mma_d, tDrX(_, _, kb, stage), tDrW(_, _, kb, stage), acc_d);
-          cute::gemm(mma_n, tNrX(_, _, kb, stage), tBrW(_, _, kb, stage), acc_b);
-          cute::gemm(mma_n, tNrX(_, _, kb, stage), tCrW(_, _, kb, stage), acc_c);
-          mma_d.accumulate_ = GMMA::ScaleOut::One;
-          mma_n.accumulate_ = GMMA::ScaleOut::One;
+        auto release = st.ring;
+        mma.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(acc);
+        for (int k = 0; k < k_tiles; ++k) {
+          ring.consumer_wait(st.ring);
+          const int stage = st.ring.index();
+          if constexpr (Cfg::kTF32) transform_stage<Cfg>(ss, stage, false, tid, tf32_round);
+          warpgroup_fence_operand(acc);
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tAx); ++kb) {
+            cute::gemm(mma, tAx(_, _, kb, stage), tBw(_, _, kb, stage), acc);
+            mma.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          warpgroup_wait<1>();  // batch k-1 retired: its ring stage can be reused
+          warpgroup_fence_operand(acc);
+          if (k > 0) {
+            ring.consumer_release(release);
+            ++release;
+          }
+          ++st.ring;
         }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();  // batch k-1 retired: its ring stage can be reused
-        warpgroup_fence_operand(acc_d);
-        warpgroup_fence_operand(acc_b);
-        warpgroup_fence_operand(acc_c);
-        if (k > 0) {
-          ring.consumer_release(release);
-          ++release;
-        }
-        ++st.ring;
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_d);
-      warpgroup_fence_operand(acc_b);
-      warpgroup_fence_operand(acc_c);
-      ring.consumer_release(release);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        ring.consumer_release(release);
       }
 
       // ---- epilogue: dt = softplus(acc + bias) (0 past L), B, C -> hand-off tile
       const int ps = st.pstage;
       named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_d); i += 2) {
-        const int r = get<0>(cD(i)), c = get<1>(cD(i));
-        const bool valid = t0 + r < p.seqlen;
-        const float2 bc = __ldg(reinterpret_cast<const float2*>(bias + c));
-        const float v0 = softplus(acc_d(i) + bc.x);
-        const float v1 = softplus(acc_d(i + 1) + bc.y);
-        *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_b); i += 2) {
-        const int r = get<0>(cN(i)), c = get<1>(cN(i));
-        *reinterpret_cast<float2*>(&ss.B[ps][r][c]) = make_float2(acc_b(i), acc_b(i + 1));
-        *reinterpret_cast<float2*>(&ss.C[ps][r][c]) = make_float2(acc_c(i), acc_c(i + 1));
+      for (int i = 0; i < size(acc); i += 2) {
+        const int r = get<0>(cAcc(i)), c = get<1>(cAcc(i));
+        constexpr int kDt = Cfg::kDt, kN = Cfg::kN;
+        if ((i / 4) * 8 < kDt) {  // delta columns
+          const bool valid = t0 + r < p.seqlen;
+          const float2 bc = bias2[i / 4];
+          const float v0 = softplus(acc(i) + bc.x);
+          const float v1 = softplus(acc(i + 1) + bc.y);
+          *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
+        } else if ((i / 4) * 8 < kDt + kN) {
+          *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
+        } else {
+          *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
+        }
       }
       named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
       st.pstage = (ps + 1) % Cfg::kPStages;
@@ -348,14 +327,42 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
 
 // ---------------------------------------------------------------------------------------------------
 // Scan.
+
+// exp2 on the FMA pipe (the ablation switch FusedParams::exp_poly): round with a magic add (no
+// float-to-int conversion, which shares MUFU's unit), a degree-5 near-minimax polynomial of 2^f on
+// [-0.5, 0.5] (max rel. error 2.3e-7 in float32), the exponent by an integer add. x <= 0 here
+// (dt >= 0, A < 0); clamped at -125 so the result stays a normal float (ex2.approx.ftz gives 0 or a
+// number below 2^-125 there: the state's contribution is below float32 resolution either way).
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -125.f);
+  const float r = x + 12582912.f;  // 1.5 * 2^23: r's low mantissa bits hold round(x)
+  const float f = x - (r - 12582912.f);
+  float q = 1.327650039e-03f;
+  q = fmaf(q, f, 9.675540030e-03f);
+  q = fmaf(q, f, 5.550713092e-02f);
+  q = fmaf(q, f, 2.402212024e-01f);
+  q = fmaf(q, f, 6.931469440e-01f);
+  q = fmaf(q, f, 1.000000119e+00f);
+  return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
+}
+
+// Thread (channel c, state group g): kNS = N/4 states of one channel. Per 4 tokens: loads, 4*kNS
+// independent exp2, the chains through h, then the 4 partial sums of y reduce-scattered over the 4
+// threads of the channel (3 shuffles): thread g ends with token g. The token loop is unrolled twice
+// so that one group's loads and exponentials overlap the previous group's chains and shuffles (with
+// 8 scan warps per SM the scan is latency- and issue-bound: docs/perf-notes.md, v2); shared-memory
+// and y addresses step by pointer increments.
 template <class Cfg, bool kFull>
 __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
                                            RoleState<Cfg>& st, int64_t first, int64_t count) {
   using TE = typename Cfg::TmaElement;
-  constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN;
+  using EO = typename Cfg::ElementIn;
+  constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT;
   const int tid = threadIdx.x - 256;  // 0..255
   const int c = tid / Cfg::kP;        // channel in the tile
-  const int g = tid % Cfg::kP;        // state group
+  const int g = tid % Cfg::kP;        // state group; also the token of 4 this thread stores
+  const int n0 = g * kNS;
+  const bool poly = p.exp_poly;       // token 3 of every 4 takes the polynomial exp2
   const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
   const SplitWorkspace ws(p.workspace, p.n_segments, p.batch, p.dim, kN);
 
@@ -364,12 +371,12 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     const int64_t d = s.j * Cfg::kDt + c;
     float A2[kNS], h[kNS];
     CUTE_UNROLL
-    for (int n = 0; n < kNS; ++n) A2[n] = -__expf(p.A_log[d * kN + g * kNS + n]) * kLog2e;
+    for (int n = 0; n < kNS; ++n) A2[n] = -__expf(p.A_log[d * kN + n0 + n]) * kLog2e;
     const float dskip = p.D[d];
     if (kFull) {
       CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) h[n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d) * kN + g * kNS + n] : 0.f;
-      ws.fold<kNS>(s.seg, s.b, d, g * kNS, A2, h);  // the earlier segments, in order
+      for (int n = 0; n < kNS; ++n) h[n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d) * kN + n0 + n] : 0.f;
+      ws.fold<kNS>(s.seg, s.b, d, n0, A2, h);  // the earlier segments, in order
     } else {
       CUTE_UNROLL
       for (int n = 0; n < kNS; ++n) h[n] = 0.f;
@@ -377,76 +384,89 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     float sum_dt = 0.f;
 
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
-      const int64_t t0 = s.t_begin + tile * Cfg::kT;
+      const int64_t t0 = s.t_begin + tile * kT;
+      const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L
       const int ps = st.pstage;
       named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
       xpipe.consumer_wait(st.xt);
-      const TE* xt = xt_base + st.xt.index() * (Cfg::kT * Cfg::kDt);
-      typename Cfg::ElementIn* y = static_cast<typename Cfg::ElementIn*>(p.y);
+      const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
+      const float* dtp = &ss.dt[ps][0][c];
+      const float* bp = &ss.B[ps][0][n0];
+      const float* cp = &ss.C[ps][0][n0];
+      EO* yp = static_cast<EO*>(p.y) + (s.b * p.seqlen + t0 + g) * p.dim + d;  // token t0 + g
+      const int64_t y_step = 4 * p.dim;
 
-#pragma unroll 1
-      for (int tg = 0; tg < Cfg::kT; tg += 4) {
-        float dt[4], dtx[4], xv[4];
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          dt[j] = ss.dt[ps][tg + j][c];
-          xv[j] = float(xt[(tg + j) * Cfg::kDt + c]);
-          dtx[j] = dt[j] * xv[j];
-        }
-        float yp[4] = {0.f, 0.f, 0.f, 0.f};
-        CUTE_UNROLL
-        for (int q = 0; q < kNS; q += kQ) {
-          float Bq[4][kQ], Cq[4][kQ], dA[4][kQ];
+      // One loop per exp mode, chosen once per tile (a branch per exponential would split the loop
+      // body into basic blocks and stop the compiler from interleaving the chains).
+      auto tile_loop = [&](auto poly_tag) {
+        constexpr bool kPoly = decltype(poly_tag)::value;
+#pragma unroll 2
+        for (int tg = 0; tg < kT; tg += 4) {
+          float dt[4], dtx[4], xv[4];
           CUTE_UNROLL
           for (int j = 0; j < 4; ++j) {
-            const float* bp = &ss.B[ps][tg + j][g * kNS + q];
-            const float* cp = &ss.C[ps][tg + j][g * kNS + q];
-            if constexpr (kQ == 4) {
-              const float4 b4 = *reinterpret_cast<const float4*>(bp);
-              Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
-              if (kFull) {
-                const float4 c4 = *reinterpret_cast<const float4*>(cp);
-                Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
-              }
-            } else {
-              const float2 b2 = *reinterpret_cast<const float2*>(bp);
-              Bq[j][0] = b2.x; Bq[j][1] = b2.y;
-              if (kFull) {
-                const float2 c2 = *reinterpret_cast<const float2*>(cp);
-                Cq[j][0] = c2.x; Cq[j][1] = c2.y;
-              }
-            }
+            dt[j] = dtp[(tg + j) * Cfg::kLdDt];
+            xv[j] = float(xp[(tg + j) * Cfg::kDt]);
+            dtx[j] = dt[j] * xv[j];
           }
+          float ys[4] = {0.f, 0.f, 0.f, 0.f};
           CUTE_UNROLL
-          for (int j = 0; j < 4; ++j)
+          for (int q = 0; q < kNS; q += kQ) {
+            float Bq[4][kQ], Cq[4][kQ], dA[4][kQ];
             CUTE_UNROLL
-            for (int n = 0; n < kQ; ++n) dA[j][n] = ex2_approx(dt[j] * A2[q + n]);
-          CUTE_UNROLL
-          for (int j = 0; j < 4; ++j)
-            CUTE_UNROLL
-            for (int n = 0; n < kQ; ++n) {
-              h[q + n] = fmaf(dA[j][n], h[q + n], dtx[j] * Bq[j][n]);
-              if (kFull) yp[j] = fmaf(Cq[j][n], h[q + n], yp[j]);
+            for (int j = 0; j < 4; ++j) {
+              const float* b = bp + (tg + j) * Cfg::kLdN + q;
+              const float* cc = cp + (tg + j) * Cfg::kLdN + q;
+              if constexpr (kQ == 4) {
+                const float4 b4 = *reinterpret_cast<const float4*>(b);
+                Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
+                if (kFull) {
+                  const float4 c4 = *reinterpret_cast<const float4*>(cc);
+                  Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
+                }
+              } else {
+                const float2 b2 = *reinterpret_cast<const float2*>(b);
+                Bq[j][0] = b2.x; Bq[j][1] = b2.y;
+                if (kFull) {
+                  const float2 c2 = *reinterpret_cast<const float2*>(cc);
+                  Cq[j][0] = c2.x; Cq[j][1] = c2.y;
+                }
+              }
             }
+            CUTE_UNROLL
+            for (int j = 0; j < 4; ++j)
+              CUTE_UNROLL
+              for (int n = 0; n < kQ; ++n) {
+                const float e = dt[j] * A2[q + n];
+                dA[j][n] = (kPoly && j == 3) ? exp2_poly(e) : ex2_approx(e);
+              }
+            CUTE_UNROLL
+            for (int j = 0; j < 4; ++j)
+              CUTE_UNROLL
+              for (int n = 0; n < kQ; ++n) {
+                h[q + n] = fmaf(dA[j][n], h[q + n], dtx[j] * Bq[j][n]);
+                if (kFull) ys[j] = fmaf(Cq[j][n], h[q + n], ys[j]);
+              }
+          }
+          if (kFull) {
+            // Reduce-scatter over the 4 threads of the channel: thread g ends with token tg + g.
+            const bool hi = g & 2;
+            float k0 = hi ? ys[2] : ys[0], k1 = hi ? ys[3] : ys[1];
+            const float s0 = hi ? ys[0] : ys[2], s1 = hi ? ys[1] : ys[3];
+            k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+            k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+            const bool lo = g & 1;
+            float total = lo ? k1 : k0;
+            total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
+            const float xg = g == 0 ? xv[0] : (g == 1 ? xv[1] : (g == 2 ? xv[2] : xv[3]));
+            if (tg + g < n_valid) *yp = EO(fmaf(dskip, xg, total));
+            yp += y_step;
+          } else {
+            sum_dt += (dt[0] + dt[1]) + (dt[2] + dt[3]);
+          }
         }
-        if (kFull) {
-          // Reduce-scatter over the 4 threads of the channel: thread g ends with token tg + g.
-          const bool hi = g & 2;
-          float k0 = hi ? yp[2] : yp[0], k1 = hi ? yp[3] : yp[1];
-          const float s0 = hi ? yp[0] : yp[2], s1 = hi ? yp[1] : yp[3];
-          k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-          k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-          const bool lo = g & 1;
-          float total = lo ? k1 : k0;
-          total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
-          const float xg = g == 0 ? xv[0] : (g == 1 ? xv[1] : (g == 2 ? xv[2] : xv[3]));
-          const int64_t t = t0 + tg + g;
-          if (t < p.seqlen)
-            y[(s.b * p.seqlen + t) * p.dim + d] = typename Cfg::ElementIn(fmaf(dskip, xg, total));
-        } else {
-          sum_dt += (dt[0] + dt[1]) + (dt[2] + dt[3]);
-        }
-      }
+      };
+      if (poly) tile_loop(cute::true_type{}); else tile_loop(cute::false_type{});
       xpipe.consumer_release(st.xt);
       ++st.xt;
       named_arrive(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
@@ -454,10 +474,10 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     }
 
     if (!kFull) {
-      ws.publish<kNS>(s.seg, s.b, d, g * kNS, h, sum_dt, g == 0);
+      ws.publish<kNS>(s.seg, s.b, d, n0, h, sum_dt, g == 0);
     } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
       CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d) * kN + g * kNS + n] = h[n];
+      for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d) * kN + n0 + n] = h[n];
     }
   }
 }
@@ -567,9 +587,9 @@ auto make_tmas(const FusedParams& p) {
                          make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXTma{}(_, _, 0));
   auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
-  auto tma_wd = make_tma_copy(SM90_TMA_LOAD{}, gwd, typename Cfg::SmemLayoutWdTma{}(_, _, 0));
-  auto tma_wb = make_tma_copy(SM90_TMA_LOAD{}, gwb, typename Cfg::SmemLayoutWnTma{}(_, _, 0));
-  auto tma_wc = make_tma_copy(SM90_TMA_LOAD{}, gwc, typename Cfg::SmemLayoutWnTma{}(_, _, 0));
+  auto tma_wd = make_tma_copy(SM90_TMA_LOAD{}, gwd, typename Cfg::SmemLayoutWdTma1{});
+  auto tma_wb = make_tma_copy(SM90_TMA_LOAD{}, gwb, typename Cfg::SmemLayoutWnTma1{});
+  auto tma_wc = make_tma_copy(SM90_TMA_LOAD{}, gwc, typename Cfg::SmemLayoutWnTma1{});
   return KernelArgs<Cfg, decltype(tma_x), decltype(tma_xt), decltype(tma_wd), decltype(tma_wb)>{
       tma_x, tma_xt, tma_wd, tma_wb, tma_wc, p};
 }

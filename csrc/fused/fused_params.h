@@ -18,6 +18,8 @@ struct FusedParams {
   // float32 only: three TF32 products per product (big*big + big*small + small*big), accurate to
   // float32 ("highest"); false: one TF32 product ("high"/"medium").
   bool fp32_3xtf32 = true;
+  // Ablation switch: one exponential in four on the FMA pipe (a polynomial exp2) instead of MUFU.
+  bool exp_poly = false;
 
   // Inputs, all contiguous.
   const void* x = nullptr;          // (batch, L, D), dtype
