@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
-from ._extension import extension_available, require_extension
+from ._extension import extension_available, fused_extension_available, require_extension
 from .reference import selective_scan_ref
 
 IMPLS = ("auto", "fused", "unfused", "reference")
@@ -18,6 +18,10 @@ UNFUSED_DIM_MULTIPLE = 8
 FUSED_DSTATES = (8, 16, 32, 64)
 FUSED_DIM_MULTIPLE = 64
 FUSED_MAX_DIM = 8192
+# impl='auto' and float32 under matmul precision "highest": the fused kernel (3xTF32) from this many
+# tokens (batch x L) on; measured faster than the unfused path (full-precision cuBLAS SGEMM) on S1-S4
+# (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf-notes.md, fused v2.
+FUSED_FP32_MIN_TOKENS = 4096
 
 _is_sm90: dict = {}  # device index -> whether it is an sm_90 GPU (H100/H200)
 
@@ -119,8 +123,15 @@ def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
         return impl
     if not x.is_cuda or x.dtype == torch.float64:
         return "reference"
-    # The fused kernel is not picked yet: its first version is correct but slower than the unfused path
-    # on the named shapes (docs/perf-notes.md, fused v1); impl='fused' selects it explicitly.
+    # Measured on the H200 (docs/perf-notes.md, fused v2): the fused kernel is as fast or faster than the
+    # unfused path for bfloat16/float16 on every named shape (S1-S5), and for float32 under "highest"
+    # from a few thousand tokens on; under "high"/"medium" the unfused path (cuBLAS TF32) is faster.
+    if fused_extension_available() and unsupported_reason("fused", x, d_state) is None:
+        if x.dtype in (torch.bfloat16, torch.float16):
+            return "fused"
+        if (torch.get_float32_matmul_precision() == "highest"
+                and x.shape[0] * x.shape[1] >= FUSED_FP32_MIN_TOKENS):
+            return "fused"
     if extension_available() and unsupported_reason("unfused", x, d_state) is None:
         return "unfused"
     if not extension_available():
@@ -155,8 +166,9 @@ def selective_scan(
 
     impl: 'reference' (plain PyTorch, any device), 'unfused' (cuBLAS projections + this project's scan
     kernel), 'fused' (one CUTLASS/CuTe kernel launch, H100/H200), 'auto' (the fastest of these that
-    supports the inputs: the unfused path on CUDA until the fused kernel beats it, the reference on CPU
-    or for float64). resolve_impl() tells which one 'auto' picks.
+    supports the inputs, by measurement: 'fused' on H100/H200 for bfloat16/float16 and for float32 under
+    matmul precision "highest" from FUSED_FP32_MIN_TOKENS tokens on, else 'unfused' on CUDA; the
+    reference on CPU or for float64). resolve_impl() tells which one 'auto' picks.
     """
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")

@@ -146,11 +146,22 @@ def test_bad_input_on_cuda():
 
 
 def test_auto_picks_the_fastest_supported_path():
-    x = torch.randn(1, 4, 64, device="cuda", dtype=torch.bfloat16)
-    # The fused kernel is explicit-only until it beats the unfused path (docs/perf-notes.md).
-    assert selscan_fused.resolve_impl("auto", x, 16) == "unfused"
+    """The measured policy (docs/perf-notes.md, fused v2)."""
+    hopper = torch.cuda.get_device_capability() == (9, 0) and selscan_fused._extension.fused_extension_available()
+    fused_if_hopper = "fused" if hopper else "unfused"
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.randn(1, 4, 64, device="cuda", dtype=dt)
+        assert selscan_fused.resolve_impl("auto", x, 16) == fused_if_hopper
+        assert selscan_fused.resolve_impl("auto", x, 12) == "unfused"  # N outside the fused envelope
     x = torch.randn(1, 4, 72, device="cuda", dtype=torch.bfloat16)  # D not a multiple of 64
     assert selscan_fused.resolve_impl("auto", x, 16) == "unfused"
+    big = torch.empty(2, selscan_fused.api.FUSED_FP32_MIN_TOKENS // 2, 64, device="cuda")
+    small = torch.empty(1, 64, 64, device="cuda")
+    with matmul_precision("float32-highest"):
+        assert selscan_fused.resolve_impl("auto", big, 16) == fused_if_hopper
+        assert selscan_fused.resolve_impl("auto", small, 16) == "unfused"
+    with matmul_precision("float32-high"):
+        assert selscan_fused.resolve_impl("auto", big, 16) == "unfused"
 
 
 def _op_args(dtype=torch.bfloat16):

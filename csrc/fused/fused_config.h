@@ -24,11 +24,25 @@ struct Config {
   static constexpr int kT = 64;                           // tokens per tile = wgmma M
   static constexpr int kDt = 64;                          // channels per CTA
   static constexpr int kBK = 128 / int(sizeof(Element));  // K per stage: one 128-byte swizzle row
-  // Shared-memory budget (227 KB): ring depth and hand-off depth by N and mode (docs/perf-notes.md).
-  static constexpr int kStages = kN <= 16 ? 4 : (kN == 32 ? (k3x ? 3 : 4) : (k3x ? 2 : 3));
   static constexpr int kPStages =                               // dt/B/C tiles between MMA and scan
       ((k3x && kN >= 32) || (kTF32 && kN == 64)) ? 1 : 2;
   static constexpr int kXStages = 2;                           // x tiles for the scan
+  // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages: the ring
+  // must hold about L2 latency x the rate the tensor cores consume (docs/perf-notes.md, v2: 4 stages
+  // left the tensor cores waiting on TMA).
+  static constexpr int kLdDt = kDt + 8;
+  static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
+  static constexpr int kStageBytes = (kT + kDt + 2 * kN) * kBK * int(sizeof(Element)) * (k3x ? 2 : 1);
+  static constexpr int kOtherBytes = kXStages * kT * kDt * int(sizeof(TmaElement)) +
+                                     kPStages * kT * (kLdDt + 2 * kLdN) * 4 + 4096;
+  static constexpr int kStagesFit = (227 * 1024 - kOtherBytes) / kStageBytes;
+  static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
+  static_assert(kStages >= 2, "shared memory too small for a 2-deep ring");
+  // float32: warps 1-3 of the producer warpgroup prepare each ring stage for the tensor cores, off
+  // their critical path: "high" rounds it to TF32 in place (round to nearest); "highest" writes the
+  // TF32 remainders v - tf32(v) of the stage to a remainder ring of the same depth.
+  static constexpr bool kRoundWarps = kTF32;
+  static constexpr int kRoundThreads = 96;
 
   // Threads: warpgroup 0 loads (one elected lane of warp 0), warpgroup 1 runs the tensor cores and
   // the softplus epilogue, warpgroups 2-3 run the scan.
@@ -40,9 +54,8 @@ struct Config {
   static constexpr int kQ = kNS < 4 ? kNS : 4;       // states per inner step (one 8/16-byte load)
   static_assert(kScanThreads == kDt * kP, "one channel per group of kP scan threads");
 
-  // Hand-off tiles (float32), rows padded so that the accumulator's float2 stores hit every bank once.
-  static constexpr int kLdDt = kDt + 8;
-  static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
+  // Hand-off tiles (float32), rows padded (kLdDt, kLdN above) so that the accumulator's float2 stores
+  // hit every bank once.
 
   using BlkT = Int<kT>;
   using BlkDt = Int<kDt>;
@@ -71,8 +84,8 @@ struct Config {
   using SmemLayoutWnTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
                                                   make_shape(BlkN{}, BlkK{})));
   static constexpr int kWStageElems = kNW * kBK;
-  // TF32 remainders of one ring stage (only with k3x).
-  static constexpr int kSmallPipe = 1;
+  // TF32 remainders of the ring stages (only with k3x).
+  static constexpr int kSmallPipe = kStages;
   using SmemLayoutXs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                               make_shape(BlkT{}, BlkK{}, Int<kSmallPipe>{})));
   using SmemLayoutWs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -104,6 +117,7 @@ struct SharedStorage {
   alignas(16) float C[Cfg::kPStages][Cfg::kT][Cfg::kLdN];
   alignas(16) typename Cfg::Ring::SharedStorage ring;
   alignas(16) typename Cfg::XPipe::SharedStorage xpipe;
+  alignas(8) cutlass::arch::ClusterBarrier rounded[Cfg::kRoundWarps ? Cfg::kStages : 1];  // stage rounded
 };
 
 }  // namespace fused

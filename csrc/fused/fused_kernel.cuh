@@ -41,11 +41,9 @@ namespace fused {
 
 using namespace cute;
 
-// Named barriers (ids 1..4; 0 is __syncthreads): dt/B/C hand-off tile s full / empty, and one
-// among the MMA warpgroup.
+// Named barriers (ids 1..4; 0 is __syncthreads): dt/B/C hand-off tile s full / empty.
 constexpr int kBarFull = 1;     // + stage (2 stages max)
 constexpr int kBarEmpty = 3;    // + stage
-constexpr int kBarMma = 5;
 
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -165,26 +163,6 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
 // ---------------------------------------------------------------------------------------------------
 // Tensor cores: products, softplus epilogue, hand-off.
 
-// Element-wise pass over one ring stage (the x chunk and the stacked W chunk), written to `dst` in the same
-// layout (the stage itself, or the remainder buffers), then made visible to the tensor cores.
-template <class Cfg, class F>
-__device__ __forceinline__ void transform_stage(SharedStorage<Cfg>& ss, int stage, bool to_remainders, int tid,
-                                                F f) {
-  auto apply = [&](float* base, float* rem, int elems) {
-    const float4* src = reinterpret_cast<const float4*>(base + stage * elems);
-    float4* dst = reinterpret_cast<float4*>(to_remainders ? rem : base + stage * elems);
-    for (int i = tid; i < elems / 4; i += Cfg::kMmaThreads) {
-      const float4 v = src[i];
-      dst[i] = make_float4(f(v.x), f(v.y), f(v.z), f(v.w));
-    }
-  };
-  auto fp = [](auto& arr) { return reinterpret_cast<float*>(arr.begin()); };
-  apply(fp(ss.x), fp(ss.xs), Cfg::kT * Cfg::kBK);
-  apply(fp(ss.w), fp(ss.ws), Cfg::kWStageElems);
-  cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
-  named_sync(kBarMma, Cfg::kMmaThreads);
-}
-
 // 3xTF32 ("highest"): the remainders v - tf32(v) of the stage (the tensor cores truncate v to tf32).
 __device__ __forceinline__ float tf32_remainder(float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); }
 
@@ -194,6 +172,43 @@ __device__ __forceinline__ float tf32_round(float f) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
   return __uint_as_float(r);
+}
+
+// float32: warps 1-3 of warpgroup 0 (96 threads) follow the ring in the tensor cores' order; for
+// every stage they either round it to TF32 in place ("high") or write its TF32 remainders to the
+// remainder ring ("highest"), then arrive on rounded[stage]; the tensor-core warpgroup waits on that
+// instead of the TMA barrier. The stage is released by the tensor cores as before, so a stage is
+// prepared once per fill.
+template <class Cfg>
+__device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
+                                            cutlass::PipelineState<Cfg::kStages>& st, int64_t first, int64_t count) {
+  const int tid = threadIdx.x - 32;  // 0..95
+  const int k_tiles = int(p.dim / Cfg::kBK);
+  for (int64_t idx = first; idx < count; idx += gridDim.x) {
+    const Stream s = decode_stream<Cfg>(p, idx);
+    for (int64_t t = 0; t < s.n_tiles * k_tiles; ++t) {
+      ring.consumer_wait(st);
+      const int stage = st.index();
+      auto apply = [&](float* base, float* rem, int elems) {
+        const float4* src = reinterpret_cast<const float4*>(base + stage * elems);
+        float4* dst = reinterpret_cast<float4*>((Cfg::k3x ? rem : base) + stage * elems);
+#pragma unroll 4
+        for (int i = tid; i < elems / 4; i += Cfg::kRoundThreads) {
+          const float4 v = src[i];
+          if constexpr (Cfg::k3x) {
+            dst[i] = make_float4(tf32_remainder(v.x), tf32_remainder(v.y), tf32_remainder(v.z), tf32_remainder(v.w));
+          } else {
+            dst[i] = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+          }
+        }
+      };
+      apply(reinterpret_cast<float*>(ss.x.begin()), reinterpret_cast<float*>(ss.xs.begin()), Cfg::kT * Cfg::kBK);
+      apply(reinterpret_cast<float*>(ss.w.begin()), reinterpret_cast<float*>(ss.ws.begin()), Cfg::kWStageElems);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
+      ss.rounded[stage].arrive();
+      ++st;
+    }
+  }
 }
 
 template <class Cfg, class Args>
@@ -248,9 +263,8 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
         clear(acc);
         for (int k = 0; k < k_tiles; ++k) {
-          ring.consumer_wait(st.ring);
           const int stage = st.ring.index();
-          transform_stage<Cfg>(ss, stage, true, tid, tf32_remainder);
+          ss.rounded[stage].wait(st.ring.phase());  // TMA landed and warps 1-3 wrote the remainders
           Tensor tmp = partition_fragment_C(mma, TileShape{});
           mma.accumulate_ = GMMA::ScaleOut::Zero;
           warpgroup_fence_operand(tmp);
@@ -259,26 +273,28 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           for (int kb = 0; kb < size<2>(tAx); ++kb) {
             cute::gemm(mma, tAx(_, _, kb, stage), tBw(_, _, kb, stage), tmp);
             mma.accumulate_ = GMMA::ScaleOut::One;
-            cute::gemm(mma, tAx(_, _, kb, stage), tBws(_, _, kb, 0), tmp);
-            cute::gemm(mma, tAxs(_, _, kb, 0), tBw(_, _, kb, stage), tmp);
+            cute::gemm(mma, tAx(_, _, kb, stage), tBws(_, _, kb, stage), tmp);
+            cute::gemm(mma, tAxs(_, _, kb, stage), tBw(_, _, kb, stage), tmp);
           }
           warpgroup_commit_batch();
-          warpgroup_wait<0>();  // this chunk's products are in tmp; stage and remainders are free
+          warpgroup_wait<0>();  // this chunk's products are in tmp; the stage and its remainders are free
           warpgroup_fence_operand(tmp);
           ring.consumer_release(st.ring);
           ++st.ring;
           CUTE_UNROLL
           for (int i = 0; i < size(acc); ++i) acc(i) += tmp(i);
-          named_sync(kBarMma, Cfg::kMmaThreads);  // every thread's wgmma done before remainders are rewritten
         }
       } else {
         auto release = st.ring;
         mma.accumulate_ = GMMA::ScaleOut::Zero;
         warpgroup_fence_operand(acc);
         for (int k = 0; k < k_tiles; ++k) {
-          ring.consumer_wait(st.ring);
           const int stage = st.ring.index();
-          if constexpr (Cfg::kTF32) transform_stage<Cfg>(ss, stage, false, tid, tf32_round);
+          if constexpr (Cfg::kRoundWarps) {
+            ss.rounded[stage].wait(st.ring.phase());  // TMA landed and warps 1-3 rounded it
+          } else {
+            ring.consumer_wait(st.ring);
+          }
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
           CUTE_UNROLL
@@ -517,6 +533,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   xp.is_leader = producer_lane;
   xp.num_consumers = Cfg::kScanThreads;
   XPipe xpipe(ss.xpipe, xp, Shape<_1, _1, _1>{});
+  if constexpr (Cfg::kRoundWarps) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < Cfg::kStages; ++i) ss.rounded[i].init(Cfg::kRoundThreads);
+      cutlass::arch::fence_barrier_init();
+    }
+  }
   __syncthreads();  // barrier initialisation visible to everyone
 
   RoleState<Cfg> st;
@@ -538,13 +560,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   // One branch per role, setmaxnreg first (ptxas honours it only in this shape).
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<56>();
+    const bool rounder = Cfg::kRoundWarps && warp >= 1 && warp <= 3;
+    cutlass::PipelineState<Cfg::kStages> round_st;  // consumer start state: stage 0, phase 0
     if (producer_lane) {
       if (p.n_segments > 1) producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1);
+    } else if (rounder && p.n_segments > 1) {
+      round_phase<Cfg>(p, ring, ss, round_st, blockIdx.x, n_phase1);
     }
     if (p.n_segments > 1) grid_barrier();
     if (producer_lane) {
       producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all);
       ring.producer_tail(st.ring);
+    } else if (rounder) {
+      round_phase<Cfg>(p, ring, ss, round_st, blockIdx.x, n_all);
     }
   } else if (wg == 1) {
     cutlass::arch::warpgroup_reg_alloc<152>();
