@@ -364,8 +364,8 @@ __device__ __forceinline__ float exp2_poly(float x) {
 
 // Thread (channel c, state group g): kNS = N/4 states of one channel. Per 4 tokens: loads, 4*kNS
 // independent exp2, the chains through h, then the 4 partial sums of y reduce-scattered over the 4
-// threads of the channel (3 shuffles): thread g ends with token g. The token loop is unrolled twice
-// so that one group's loads and exponentials overlap the previous group's chains and shuffles (with
+// threads of the channel (3 shuffles): thread g ends with token g. The token loop is unrolled 4 times
+// (twice at N = 64) so that one group's loads and exponentials overlap the previous group's chains and shuffles (with
 // 8 scan warps per SM the scan is latency- and issue-bound: docs/perf-notes.md, v2); shared-memory
 // and y addresses step by pointer increments.
 template <class Cfg, bool kFull>
@@ -374,6 +374,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   using TE = typename Cfg::TmaElement;
   using EO = typename Cfg::ElementIn;
   constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT;
+  constexpr int kTokenUnroll = kNS <= 8 ? 4 : 2;  // 4 spills at N = 64 (16 states per thread)
   const int tid = threadIdx.x - 256;  // 0..255
   const int c = tid / Cfg::kP;        // channel in the tile
   const int g = tid % Cfg::kP;        // state group; also the token of 4 this thread stores
@@ -416,7 +417,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       // body into basic blocks and stop the compiler from interleaving the chains).
       auto tile_loop = [&](auto poly_tag) {
         constexpr bool kPoly = decltype(poly_tag)::value;
-#pragma unroll 2
+#pragma unroll kTokenUnroll
         for (int tg = 0; tg < kT; tg += 4) {
           float dt[4], dtx[4], xv[4];
           CUTE_UNROLL
