@@ -9,6 +9,8 @@ namespace selscan {
 constexpr int64_t kFusedTokenTile = 64;    // tokens per tile (the wgmma M)
 constexpr int64_t kFusedChannelTile = 64;  // channels per CTA; D must be a multiple
 constexpr int64_t kFusedMaxDim = 8192;
+// float32 under "high"/"medium": calls with at most this many outputs (batch x L x D) use 3xTF32.
+constexpr int64_t kFusedTf32MinOutputs = 65536;
 
 inline bool fused_supports_dstate(int64_t n) { return n == 8 || n == 16 || n == 32 || n == 64; }
 
