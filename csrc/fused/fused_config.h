@@ -27,12 +27,13 @@ struct Config {
   static constexpr int kPStages =                               // dt/B/C tiles between MMA and scan
       ((k3x && kN >= 32) || (kTF32 && kN == 64)) ? 1 : 2;
   static constexpr int kXStages = 2;                           // x tiles for the scan
-  // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages: the ring
-  // must hold about L2 latency x the rate the tensor cores consume (docs/perf-notes.md, v2: 4 stages
-  // left the tensor cores waiting on TMA).
+  // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages (docs/perf-
+  // notes.md, v2: 7 stages instead of 4 measured 5% faster on S3 and 12% on S5, the same on S2).
   static constexpr int kLdDt = kDt + 8;
   static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
-  static constexpr int kStageBytes = (kT + kDt + 2 * kN) * kBK * int(sizeof(Element)) * (k3x ? 2 : 1);
+  static constexpr int kNW = kDt + 2 * kN;  // rows of the stacked weight tile (below)
+  static constexpr uint32_t kRingBytes = uint32_t((kT + kNW) * kBK * sizeof(Element));  // one TMA fill
+  static constexpr int kStageBytes = int(kRingBytes) * (k3x ? 2 : 1);  // with the remainder ring
   static constexpr int kOtherBytes = kXStages * kT * kDt * int(sizeof(TmaElement)) +
                                      kPStages * kT * (kLdDt + 2 * kLdN) * 4 + 4096;
   static constexpr int kStagesFit = (227 * 1024 - kOtherBytes) / kStageBytes;
@@ -65,7 +66,6 @@ struct Config {
   // The stacked weight tile [W_delta slice; W_B; W_C]: kNW rows, so that one wgmma of N = kNW per
   // K step reads the x tile once (three separate products read it three times, and the N = kN ones
   // are shared-memory bound: docs/perf-notes.md, v2).
-  static constexpr int kNW = kDt + 2 * kN;
   using BlkNW = Int<kNW>;
 
   // K-major 128-byte-swizzled operand tiles, kStages deep.
@@ -84,12 +84,6 @@ struct Config {
   using SmemLayoutWnTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
                                                   make_shape(BlkN{}, BlkK{})));
   static constexpr int kWStageElems = kNW * kBK;
-  // TF32 remainders of the ring stages (only with k3x).
-  static constexpr int kSmallPipe = kStages;
-  using SmemLayoutXs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                              make_shape(BlkT{}, BlkK{}, Int<kSmallPipe>{})));
-  using SmemLayoutWs = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                              make_shape(BlkNW{}, BlkK{}, Int<kSmallPipe>{})));
   // x tile for the scan: (tokens, channels) row-major, no swizzle (rows read across channels).
   using SmemLayoutXt = Layout<Shape<BlkT, BlkDt, Int<kXStages>>, Stride<BlkDt, _1, Int<kT * kDt>>>;
 
@@ -98,7 +92,6 @@ struct Config {
   using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkT, BlkNW, BlkK>,
                                                            GMMA::Major::K, GMMA::Major::K>()));
 
-  static constexpr uint32_t kRingBytes = uint32_t((kT + kDt + 2 * kN) * kBK * sizeof(Element));
   static constexpr uint32_t kXtBytes = uint32_t(kT * kDt * sizeof(Element));
   using Ring = cutlass::PipelineTmaAsync<kStages>;   // operand tiles: producer -> MMA warpgroup
   using XPipe = cutlass::PipelineTmaAsync<kXStages>; // x tiles: producer -> scan warpgroups
@@ -109,8 +102,9 @@ struct SharedStorage {
   using E = typename Cfg::Element;
   alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutX>> x;
   alignas(1024) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutW>> w;
-  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutXs> : 1)> xs;
-  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutWs> : 1)> ws;
+  // TF32 remainders of the ring stages, same layouts (only with k3x).
+  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutX> : 1)> xs;
+  alignas(1024) cute::ArrayEngine<E, (Cfg::k3x ? cosize_v<typename Cfg::SmemLayoutW> : 1)> ws;
   alignas(128) cute::ArrayEngine<E, cosize_v<typename Cfg::SmemLayoutXt>> xt;
   alignas(16) float dt[Cfg::kPStages][Cfg::kT][Cfg::kLdDt];   // softplus(acc + bias); 0 past L
   alignas(16) float B[Cfg::kPStages][Cfg::kT][Cfg::kLdN];

@@ -219,8 +219,8 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
   using E = typename Cfg::Element;
   Tensor sX = make_tensor(make_smem_ptr(ss.x.begin()), typename Cfg::SmemLayoutX{});
   Tensor sW = make_tensor(make_smem_ptr(ss.w.begin()), typename Cfg::SmemLayoutW{});
-  Tensor sXs = make_tensor(make_smem_ptr(ss.xs.begin()), typename Cfg::SmemLayoutXs{});
-  Tensor sWs = make_tensor(make_smem_ptr(ss.ws.begin()), typename Cfg::SmemLayoutWs{});
+  Tensor sXs = make_tensor(make_smem_ptr(ss.xs.begin()), typename Cfg::SmemLayoutX{});
+  Tensor sWs = make_tensor(make_smem_ptr(ss.ws.begin()), typename Cfg::SmemLayoutW{});
 
   typename Cfg::Mma mma;
   auto thr = mma.get_thread_slice(tid);
