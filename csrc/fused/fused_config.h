@@ -29,6 +29,7 @@ struct Config {
   static constexpr int kXStages = 2;                           // x tiles for the scan
   // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages (docs/perf-
   // notes.md, v2: 7 stages instead of 4 measured 5% faster on S3 and 12% on S5, the same on S2).
+  // Hand-off tiles (float32), rows padded so that the accumulator's float2 stores hit every bank once.
   static constexpr int kLdDt = kDt + 8;
   static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
   static constexpr int kNW = kDt + 2 * kN;  // rows of the stacked weight tile (below)
@@ -54,9 +55,6 @@ struct Config {
   static constexpr int kNS = kN / kP;                // states per scan thread: 2, 4, 8, 16
   static constexpr int kQ = kNS < 4 ? kNS : 4;       // states per inner step (one 8/16-byte load)
   static_assert(kScanThreads == kDt * kP, "one channel per group of kP scan threads");
-
-  // Hand-off tiles (float32), rows padded (kLdDt, kLdN above) so that the accumulator's float2 stores
-  // hit every bank once.
 
   using BlkT = Int<kT>;
   using BlkDt = Int<kDt>;

@@ -6,12 +6,14 @@
 // Roles (512 threads, one CTA per SM):
 //   warpgroup 0  producer: one elected lane issues the TMA loads. Per tile: the x tile (64 x kDt) the
 //                scan needs, then for every K chunk the operand tiles x[t0:t0+64, k:k+kBK],
-//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring (the three
-//                weight boxes stacked into one tile).
+//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring
+//                (the three weight boxes stacked into one tile). float32: warps 1-3 round each
+//                stage to TF32 ("high") or write its TF32 remainders to a remainder ring ("highest").
 //   warpgroup 1  tensor cores: one wgmma per K step, x (64 x kBK) against the stacked weight tile
-//                [W_delta slice; W_B; W_C] (kDt + 2N rows), into one float32 accumulator; 3xTF32 for float32 "highest" (the remainders made in shared memory); then
-//                dt = softplus(acc + bias) (0 past L), B and C go to a kPStages hand-off tile, and
-//                it moves on to the next tile's products while the scan works on this one.
+//                [W_delta slice; W_B; W_C] (kDt + 2N rows), into one float32 accumulator (3xTF32
+//                for float32 "highest"); then dt = softplus(acc + bias) (0 past L), B and C go to a
+//                kPStages hand-off tile, and it moves on to the next tile's products while the scan
+//                works on this one.
 //   warpgroups 2-3  scan: thread (channel c, group g) owns kNS = N/4 states of one channel;
 //                per 4 tokens: loads, 4*kNS independent exp2, the chains through h, the partial
 //                sums of y reduce-scattered over the 4 threads of the channel (3 shuffles), and
@@ -211,6 +213,19 @@ __device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::
   }
 }
 
+// The tensor cores' wait for a ring stage: the TMA barrier, or for float32 the barrier warps 1-3
+// arrive on once the stage is rounded / its remainders written. Returns the stage.
+template <class Cfg>
+__device__ __forceinline__ int wait_operands(typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
+                                             const cutlass::PipelineState<Cfg::kStages>& st) {
+  if constexpr (Cfg::kRoundWarps) {
+    ss.rounded[st.index()].wait(st.phase());
+  } else {
+    ring.consumer_wait(st);
+  }
+  return st.index();
+}
+
 template <class Cfg, class Args>
 __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
                                           RoleState<Cfg>& st, int64_t first, int64_t count) {
@@ -263,8 +278,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
         clear(acc);
         for (int k = 0; k < k_tiles; ++k) {
-          const int stage = st.ring.index();
-          ss.rounded[stage].wait(st.ring.phase());  // TMA landed and warps 1-3 wrote the remainders
+          const int stage = wait_operands<Cfg>(ring, ss, st.ring);
           Tensor tmp = partition_fragment_C(mma, TileShape{});
           mma.accumulate_ = GMMA::ScaleOut::Zero;
           warpgroup_fence_operand(tmp);
@@ -289,12 +303,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         mma.accumulate_ = GMMA::ScaleOut::Zero;
         warpgroup_fence_operand(acc);
         for (int k = 0; k < k_tiles; ++k) {
-          const int stage = st.ring.index();
-          if constexpr (Cfg::kRoundWarps) {
-            ss.rounded[stage].wait(st.ring.phase());  // TMA landed and warps 1-3 rounded it
-          } else {
-            ring.consumer_wait(st.ring);
-          }
+          const int stage = wait_operands<Cfg>(ring, ss, st.ring);
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
           CUTE_UNROLL
