@@ -6,7 +6,7 @@
 
 namespace selscan {
 
-constexpr int64_t kFusedTokenTile = 64;    // tokens per tile (the wgmma M)
+constexpr int64_t kFusedTokenTile = 128;   // L segments are whole multiples of the largest token tile
 constexpr int64_t kFusedChannelTile = 64;  // channels per CTA; D must be a multiple
 constexpr int64_t kFusedMaxDim = 8192;
 // float32 under "high"/"medium": calls with at most this many outputs (batch x L x D) use 3xTF32.

@@ -21,7 +21,12 @@ struct Config {
   using TmaElement = ElementIn;
 
   static constexpr int kN = kN_;
-  static constexpr int kT = 64;                           // tokens per tile = wgmma M
+  static constexpr int kT = 64;                           // tokens per scan tile (hand-off stage)
+  // Tokens per tensor-core tile: 128 (two wgmma M = 64 rows per K step) halves the weight bytes
+  // each token costs (docs/perf-notes.md, v3: the operand loads bound S3); 64 where the
+  // accumulator or the ring would not fit (float32, N = 64).
+  static constexpr int kTM = (kTF32 || kN >= 64) ? 64 : 128;
+  static constexpr int kHalves = kTM / kT;               // scan tiles per tensor-core tile
   static constexpr int kDt = 64;                          // channels per CTA
   static constexpr int kBK = 128 / int(sizeof(Element));  // K per stage: one 128-byte swizzle row
   static constexpr int kPStages =                               // dt/B/C tiles between MMA and scan
@@ -33,7 +38,7 @@ struct Config {
   static constexpr int kLdDt = kDt + 8;
   static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
   static constexpr int kNW = kDt + 2 * kN;  // rows of the stacked weight tile (below)
-  static constexpr uint32_t kRingBytes = uint32_t((kT + kNW) * kBK * sizeof(Element));  // one TMA fill
+  static constexpr uint32_t kRingBytes = uint32_t((kTM + kNW) * kBK * sizeof(Element));  // one TMA fill
   static constexpr int kStageBytes = int(kRingBytes) * (k3x ? 2 : 1);  // with the remainder ring
   static constexpr int kOtherBytes = kXStages * kT * kDt * int(sizeof(TmaElement)) +
                                      kPStages * kT * (kLdDt + 2 * kLdN) * 4 + 4096;
@@ -45,18 +50,30 @@ struct Config {
   // TF32 remainders v - tf32(v) of the stage to a remainder ring of the same depth.
   static constexpr bool kRoundWarps = kTF32;
   static constexpr int kRoundThreads = 96;
+  // Without rounding warps, warp 1 loads the scan's x tiles on its own, as soon as the scan frees a
+  // stage (the ring's producer would load them only between two tiles' operands: measured, v3).
+  static constexpr bool kXtWarp = !kRoundWarps;
 
   // Threads: warpgroup 0 loads (one elected lane of warp 0), warpgroup 1 runs the tensor cores and
-  // the softplus epilogue, warpgroups 2-3 run the scan.
-  static constexpr int kThreads = 512;
+  // the softplus epilogue, the rest run the scan: kCh adjacent channels per scan thread, which share
+  // their B and C loads.
+#ifndef SELSCAN_FUSED_CH_PER_THREAD
+#define SELSCAN_FUSED_CH_PER_THREAD 2
+#endif
+  static constexpr int kCh = SELSCAN_FUSED_CH_PER_THREAD;  // channels per scan thread
+  static constexpr int kP = 4;                             // scan threads per channel
+  static constexpr int kNS = kN / kP;                      // states per scan thread and channel
+  static constexpr int kQ = kNS < 4 ? kNS : 4;             // states per inner step (one 8/16-byte load)
   static constexpr int kMmaThreads = 128;
-  static constexpr int kScanThreads = 256;
-  static constexpr int kP = 4;                       // scan threads per channel
-  static constexpr int kNS = kN / kP;                // states per scan thread: 2, 4, 8, 16
-  static constexpr int kQ = kNS < 4 ? kNS : 4;       // states per inner step (one 8/16-byte load)
-  static_assert(kScanThreads == kDt * kP, "one channel per group of kP scan threads");
+  static constexpr int kScanThreads = kDt * kP / kCh;
+  static constexpr int kThreads = 256 + kScanThreads;
+  static_assert(kCh == 1 || kCh == 2, "one or two channels per scan thread");
+  static_assert(kScanThreads % 128 == 0, "whole scan warpgroups");
+  static constexpr int kRegProducer = 56;                          // setmaxnreg per role
+  static constexpr int kRegWork = kThreads == 512 ? 152 : 224;      // tensor cores and scan
 
   using BlkT = Int<kT>;
+  using BlkTM = Int<kTM>;
   using BlkDt = Int<kDt>;
   using BlkN = Int<kN>;
   using BlkK = Int<kBK>;
@@ -68,7 +85,7 @@ struct Config {
 
   // K-major 128-byte-swizzled operand tiles, kStages deep.
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             make_shape(BlkT{}, BlkK{}, Int<kStages>{})));
+                                             make_shape(BlkTM{}, BlkK{}, Int<kStages>{})));
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              make_shape(BlkNW{}, BlkK{}, Int<kStages>{})));
   // The same bytes as TMA sees them (float for float32 inputs). W is written by three boxes per
@@ -76,7 +93,7 @@ struct Config {
   // boundary (kN rows of 128 bytes, kN a multiple of 8), so the hardware swizzle matches the
   // wgmma view of the whole tile.
   using SmemLayoutXTma = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
-                                                make_shape(BlkT{}, BlkK{}, Int<kStages>{})));
+                                                make_shape(BlkTM{}, BlkK{}, Int<kStages>{})));
   using SmemLayoutWdTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
                                                   make_shape(BlkDt{}, BlkK{})));
   using SmemLayoutWnTma1 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<TmaElement>{},
@@ -85,9 +102,9 @@ struct Config {
   // x tile for the scan: (tokens, channels) row-major, no swizzle (rows read across channels).
   using SmemLayoutXt = Layout<Shape<BlkT, BlkDt, Int<kXStages>>, Stride<BlkDt, _1, Int<kT * kDt>>>;
 
-  // One tensor-core product per K step: (kT x kBK) . (kNW x kBK)^T -> acc (kT x kNW) =
-  // [delta pre-activation | B | C].
-  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkT, BlkNW, BlkK>,
+  // One tensor-core product per K step: (kTM x kBK) . (kNW x kBK)^T -> acc (kTM x kNW) =
+  // [delta pre-activation | B | C], as kTM / 64 wgmma of M = 64 by one warpgroup.
+  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<BlkTM, BlkNW, BlkK>,
                                                            GMMA::Major::K, GMMA::Major::K>()));
 
   static constexpr uint32_t kXtBytes = uint32_t(kT * kDt * sizeof(Element));

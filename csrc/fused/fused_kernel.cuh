@@ -1,22 +1,25 @@
 // The fused kernel: one launch from x to y (sm_90a: TMA, wgmma, mbarrier pipelines).
 //
 // Work: a stream = (L-segment, sequence b, channel tile of kDt = 64 channels). A persistent CTA
-// (one per SM) walks its streams' token tiles (64 tokens) in order; the state h stays in registers.
+// (one per SM) walks its streams' token tiles in order; the state h stays in registers. The tensor
+// cores work on tiles of kTM tokens (128; 64 for float32 and N = 64), the scan on tiles of kT = 64.
 //
-// Roles (512 threads, one CTA per SM):
-//   warpgroup 0  producer: one elected lane issues the TMA loads. Per tile: the x tile (64 x kDt) the
-//                scan needs, then for every K chunk the operand tiles x[t0:t0+64, k:k+kBK],
-//                W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK], W_C[:, k:k+kBK] into a kStages ring
-//                (the three weight boxes stacked into one tile). float32: warps 1-3 round each
-//                stage to TF32 ("high") or write its TF32 remainders to a remainder ring ("highest").
-//   warpgroup 1  tensor cores: one wgmma per K step, x (64 x kBK) against the stacked weight tile
-//                [W_delta slice; W_B; W_C] (kDt + 2N rows), into one float32 accumulator (3xTF32
-//                for float32 "highest"); then dt = softplus(acc + bias) (0 past L), B and C go to a
-//                kPStages hand-off tile, and it moves on to the next tile's products while the scan
-//                works on this one.
-//   warpgroups 2-3  scan: thread (channel c, group g) owns kNS = N/4 states of one channel;
-//                per 4 tokens: loads, 4*kNS independent exp2, the chains through h, the partial
-//                sums of y reduce-scattered over the 4 threads of the channel (3 shuffles), and
+// Roles (256 + kScanThreads threads, one CTA per SM):
+//   warpgroup 0  producer. Warp 0's elected lane issues the operand loads: for every K chunk of a
+//                tile, x[t0:t0+kTM, k:k+kBK], W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK] and
+//                W_C[:, k:k+kBK] into a kStages ring (the three weight boxes stacked into one tile).
+//                Warp 1's elected lane loads the scan's x tiles (64 x kDt) as the scan frees them
+//                (float32: warp 0 does, and warps 1-3 round each stage to TF32 ("high") or write
+//                its TF32 remainders to a remainder ring ("highest")).
+//   warpgroup 1  tensor cores: per K step, x (kTM x kBK) against the stacked weight tile
+//                [W_delta slice; W_B; W_C] (kDt + 2N rows) as kTM / 64 wgmma, into one float32
+//                accumulator (3xTF32 for float32 "highest"); then dt = softplus(acc + bias) (0 past
+//                L), B and C go to the hand-off tiles (kPStages of 64 tokens), and it moves on to
+//                the next tile's products while the scan works on these.
+//   scan warpgroup(s)  thread (channels c..c+kCh-1, group g) owns kNS = N/4 states of kCh = 2
+//                adjacent channels; per 4 tokens: loads (B and C once for both channels), 4*kCh*kNS
+//                independent exp2, the chains through h, per channel the partial sums of y
+//                reduce-scattered over the 4 threads of the channel (3 shuffles), and
 //                y = sum + D*x stored straight to global memory.
 // Nothing of shape (B,L,D) or (B,L,D,N) other than x and y touches device memory.
 //
@@ -70,7 +73,7 @@ __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t id
   s.seg = idx / (n_ctiles * p.batch);
   s.t_begin = s.seg * p.seg_len;
   const int64_t t_end = min_i64(p.seqlen, s.t_begin + p.seg_len);
-  s.n_tiles = (t_end - s.t_begin + Cfg::kT - 1) / Cfg::kT;
+  s.n_tiles = (t_end - s.t_begin + Cfg::kTM - 1) / Cfg::kTM;  // tensor-core tiles (segments are whole ones)
   return s;
 }
 
@@ -94,6 +97,35 @@ struct RoleState {
 
 // ---------------------------------------------------------------------------------------------------
 // Producer: TMA loads.
+
+// One scan x tile (kT tokens x kDt channels): scan tile `t_sub` of sequence b, channel tile j.
+template <class Cfg, class Args>
+__device__ __forceinline__ void load_xt(const Args& a, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
+                                        cutlass::PipelineState<Cfg::kXStages>& st, int64_t b, int64_t t_sub,
+                                        int64_t j) {
+  const FusedParams& p = a.p;
+  using TE = typename Cfg::TmaElement;
+  Tensor sXt = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.xt.begin())), typename Cfg::SmemLayoutXt{});
+  Tensor mXt = a.tma_xt.get_tma_tensor(make_shape(int(p.seqlen), int(p.dim), int(p.batch)));
+  Tensor gXt = local_tile(mXt(_, _, int(b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
+                          make_coord(int(t_sub), int(j)));
+  auto [tXtg, tXts] = tma_partition(a.tma_xt, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sXt), group_modes<0, 2>(gXt));
+  xpipe.producer_acquire(st);
+  copy(a.tma_xt.with(*xpipe.producer_get_barrier(st)), tXtg, tXts(_, st.index()));
+  ++st;
+}
+
+// Warp 1's elected lane (Cfg::kXtWarp): the scan's x tiles, in the scan's order, each as soon as the
+// scan has freed a stage.
+template <class Cfg, class Args>
+__device__ __forceinline__ void xt_phase(const Args& a, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
+                                         cutlass::PipelineState<Cfg::kXStages>& st, int64_t first, int64_t count) {
+  for (int64_t idx = first; idx < count; idx += gridDim.x) {
+    const Stream s = decode_stream<Cfg>(a.p, idx);
+    const int64_t t_sub0 = s.t_begin / Cfg::kT;
+    for (int64_t t = 0; t < s.n_tiles * Cfg::kHalves; ++t) load_xt<Cfg>(a, xpipe, ss, st, s.b, t_sub0 + t, s.j);
+  }
+}
 template <class Cfg, class Args>
 __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring& ring, typename Cfg::XPipe& xpipe,
                                                SharedStorage<Cfg>& ss, RoleState<Cfg>& st, int64_t first,
@@ -102,10 +134,8 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
   const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
   using TE = typename Cfg::TmaElement;
   Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.x.begin())), typename Cfg::SmemLayoutXTma{});
-  Tensor sXt = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.xt.begin())), typename Cfg::SmemLayoutXt{});
   TE* const w_base = reinterpret_cast<TE*>(ss.w.begin());
   Tensor mX = a.tma_x.get_tma_tensor(make_shape(L, Dm, Bt));
-  Tensor mXt = a.tma_xt.get_tma_tensor(make_shape(L, Dm, Bt));
   Tensor mWd = a.tma_wd.get_tma_tensor(make_shape(Dm, Dm));
   Tensor mWb = a.tma_wb.get_tma_tensor(make_shape(N, Dm));
   Tensor mWc = a.tma_wc.get_tma_tensor(make_shape(N, Dm));
@@ -121,16 +151,13 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
     Tensor gWb = local_tile(mWb, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
-      const int t_tile = int((s.t_begin / Cfg::kT) + tile);
-      // The x tile the scan reads.
-      Tensor gXt = local_tile(mXt(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
-                              make_coord(t_tile, int(s.j)));
-      auto [tXtg, tXts] = tma_partition(a.tma_xt, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sXt), group_modes<0, 2>(gXt));
-      xpipe.producer_acquire(st.xt);
-      copy(a.tma_xt.with(*xpipe.producer_get_barrier(st.xt)), tXtg, tXts(_, st.xt.index()));
-      ++st.xt;
+      const int t_tile = int((s.t_begin / Cfg::kTM) + tile);
+      // The x tiles the scan reads (unless warp 1 loads them).
+      if constexpr (!Cfg::kXtWarp) {
+        for (int h = 0; h < Cfg::kHalves; ++h) load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, t_tile * Cfg::kHalves + h, s.j);
+      }
       // The operand tiles of every K chunk.
-      Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkK{}),
+      Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}),
                              make_coord(t_tile, _));
       auto [tXg, tXs] = tma_partition(a.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
       for (int k = 0; k < k_tiles; ++k) {
@@ -204,7 +231,7 @@ __device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::
           }
         }
       };
-      apply(reinterpret_cast<float*>(ss.x.begin()), reinterpret_cast<float*>(ss.xs.begin()), Cfg::kT * Cfg::kBK);
+      apply(reinterpret_cast<float*>(ss.x.begin()), reinterpret_cast<float*>(ss.xs.begin()), Cfg::kTM * Cfg::kBK);
       apply(reinterpret_cast<float*>(ss.w.begin()), reinterpret_cast<float*>(ss.ws.begin()), Cfg::kWStageElems);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
       ss.rounded[stage].arrive();
@@ -244,7 +271,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
   Tensor tAxs = thr.make_fragment_A(thr.partition_A(sXs));
   Tensor tBws = thr.make_fragment_B(thr.partition_B(sWs));
 
-  using TileShape = Shape<typename Cfg::BlkT, typename Cfg::BlkNW>;
+  using TileShape = Shape<typename Cfg::BlkTM, typename Cfg::BlkNW>;
   Tensor acc = partition_fragment_C(mma, TileShape{});
   // (row, col) of every accumulator register. The wgmma accumulator layout puts register i at column
   // 2 * (lane % 4) + (i % 2) + 8 * (i / 4): the region (delta / B / C) of a register pair is known at
@@ -270,7 +297,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       bias2[v2] = __ldg(reinterpret_cast<const float2*>(p.b_delta + d0 + 2 * (tid % 4) + 8 * v2));
 
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
-      const int64_t t0 = s.t_begin + tile * Cfg::kT;
+      const int64_t t0 = s.t_begin + tile * Cfg::kTM;
       // ---- products over K
       if constexpr (Cfg::k3x) {
         // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
@@ -325,27 +352,35 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         ring.consumer_release(release);
       }
 
-      // ---- epilogue: dt = softplus(acc + bias) (0 past L), B, C -> hand-off tile
-      const int ps = st.pstage;
-      named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
+      // ---- epilogue: dt = softplus(acc + bias) (0 past L), B, C -> one hand-off tile per 64 rows
+      // (the accumulator holds kHalves wgmma row blocks; flat register index = v + kV * half).
+      constexpr int kV = decltype(size<0>(acc))::value;
+      static_assert(decltype(size(acc))::value == kV * Cfg::kHalves, "one accumulator row block per scan tile");
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        const int r = get<0>(cAcc(i)), c = get<1>(cAcc(i));
-        constexpr int kDt = Cfg::kDt, kN = Cfg::kN;
-        if ((i / 4) * 8 < kDt) {  // delta columns
-          const bool valid = t0 + r < p.seqlen;
-          const float2 bc = bias2[i / 4];
-          const float v0 = softplus(acc(i) + bc.x);
-          const float v1 = softplus(acc(i + 1) + bc.y);
-          *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
-        } else if ((i / 4) * 8 < kDt + kN) {
-          *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
-        } else {
-          *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
+      for (int half = 0; half < Cfg::kHalves; ++half) {
+        const int ps = st.pstage;
+        const int64_t th = t0 + half * Cfg::kT;
+        named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
+        CUTE_UNROLL
+        for (int v = 0; v < kV; v += 2) {
+          const int i = v + kV * half;
+          const int r = get<0>(cAcc(i)) - half * Cfg::kT, c = get<1>(cAcc(i));
+          constexpr int kDt = Cfg::kDt, kN = Cfg::kN;
+          if ((v / 4) * 8 < kDt) {  // delta columns
+            const bool valid = th + r < p.seqlen;
+            const float2 bc = bias2[v / 4];
+            const float v0 = softplus(acc(i) + bc.x);
+            const float v1 = softplus(acc(i + 1) + bc.y);
+            *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
+          } else if ((v / 4) * 8 < kDt + kN) {
+            *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
+          } else {
+            *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
+          }
         }
+        named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+        st.pstage = (ps + 1) % Cfg::kPStages;
       }
-      named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
-      st.pstage = (ps + 1) % Cfg::kPStages;
     }
   }
 }
@@ -371,47 +406,85 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
 }
 
-// Thread (channel c, state group g): kNS = N/4 states of one channel. Per 4 tokens: loads, 4*kNS
-// independent exp2, the chains through h, then the 4 partial sums of y reduce-scattered over the 4
-// threads of the channel (3 shuffles): thread g ends with token g. The token loop is unrolled 4 times
-// (twice at N = 64) so that one group's loads and exponentials overlap the previous group's chains and shuffles (with
-// 8 scan warps per SM the scan is latency- and issue-bound: docs/perf-notes.md, v2); shared-memory
-// and y addresses step by pointer increments.
+// kCh consecutive values of the x tile / of y as float (one 2- to 8-byte access).
+template <int kCh, class T>
+__device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    v[0] = float(p[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    v[0] = f.x; v[1] = f.y;
+  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(p);  // bf16 -> float: the high half of a float
+    v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
+    v[0] = f.x; v[1] = f.y;
+  }
+}
+template <int kCh, class T>
+__device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    p[0] = T(v[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
+  } else {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(v[0], v[1]);
+  }
+}
+
+// Thread (channel pair/channel c, state group g): kNS = N/4 states of each of kCh adjacent channels,
+// which share the thread's loads of B and C. Per 4 tokens: loads, 4*kCh*kNS independent exp2, the
+// chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
+// the channel (3 shuffles): thread g ends with token g. The token loop is unrolled so that one
+// group's loads and exponentials overlap the previous group's chains and shuffles; shared-memory and
+// y addresses step by pointer increments (docs/perf-notes.md, v2 and v3).
 template <class Cfg, bool kFull>
 __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
                                            RoleState<Cfg>& st, int64_t first, int64_t count) {
   using TE = typename Cfg::TmaElement;
   using EO = typename Cfg::ElementIn;
-  constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT;
-  constexpr int kTokenUnroll = kNS <= 8 ? 4 : 2;  // 4 spills at N = 64 (16 states per thread)
-  const int tid = threadIdx.x - 256;  // 0..255
-  const int c = tid / Cfg::kP;        // channel in the tile
-  const int g = tid % Cfg::kP;        // state group; also the token of 4 this thread stores
+  constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT, kCh = Cfg::kCh;
+  constexpr int kChains = kCh * kNS;  // recurrences per thread
+#ifdef SELSCAN_FUSED_TOKEN_UNROLL
+  constexpr int kTokenUnroll = SELSCAN_FUSED_TOKEN_UNROLL;
+#else
+  constexpr int kTokenUnroll = kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1);
+#endif
+  const int tid = threadIdx.x - 256;   // 0 .. kScanThreads-1
+  const int c = (tid / Cfg::kP) * kCh; // first channel in the tile
+  const int g = tid % Cfg::kP;         // state group; also the token of 4 this thread stores
   const int n0 = g * kNS;
-  const bool poly = p.exp_poly;       // token 3 of every 4 takes the polynomial exp2
+  const bool poly = p.exp_poly;        // token 3 of every 4 takes the polynomial exp2
   const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
   const SplitWorkspace ws(p.workspace, p.n_segments, p.batch, p.dim, kN);
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
     const int64_t d = s.j * Cfg::kDt + c;
-    float A2[kNS], h[kNS];
+    float A2[kCh][kNS], h[kCh][kNS], dskip[kCh], sum_dt[kCh];
     CUTE_UNROLL
-    for (int n = 0; n < kNS; ++n) A2[n] = -__expf(p.A_log[d * kN + n0 + n]) * kLog2e;
-    const float dskip = p.D[d];
-    if (kFull) {
+    for (int ch = 0; ch < kCh; ++ch) {
       CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) h[n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d) * kN + n0 + n] : 0.f;
-      ws.fold<kNS>(s.seg, s.b, d, n0, A2, h);  // the earlier segments, in order
-    } else {
-      CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) h[n] = 0.f;
+      for (int n = 0; n < kNS; ++n) A2[ch][n] = -__expf(p.A_log[(d + ch) * kN + n0 + n]) * kLog2e;
+      dskip[ch] = p.D[d + ch];
+      sum_dt[ch] = 0.f;
+      if (kFull) {
+        CUTE_UNROLL
+        for (int n = 0; n < kNS; ++n)
+          h[ch][n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d + ch) * kN + n0 + n] : 0.f;
+        ws.fold<kNS>(s.seg, s.b, d + ch, n0, A2[ch], h[ch]);  // the earlier segments, in order
+      } else {
+        CUTE_UNROLL
+        for (int n = 0; n < kNS; ++n) h[ch][n] = 0.f;
+      }
     }
-    float sum_dt = 0.f;
 
-    for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
+    for (int64_t tile = 0; tile < s.n_tiles * Cfg::kHalves; ++tile) {  // scan tiles
       const int64_t t0 = s.t_begin + tile * kT;
-      const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L
+      const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
       const int ps = st.pstage;
       named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
       xpipe.consumer_wait(st.xt);
@@ -428,17 +501,27 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
         constexpr bool kPoly = decltype(poly_tag)::value;
 #pragma unroll kTokenUnroll
         for (int tg = 0; tg < kT; tg += 4) {
-          float dt[4], dtx[4], xv[4];
+          float dt[4][kCh], dtx[4][kCh], xv[4][kCh];
           CUTE_UNROLL
           for (int j = 0; j < 4; ++j) {
-            dt[j] = dtp[(tg + j) * Cfg::kLdDt];
-            xv[j] = float(xp[(tg + j) * Cfg::kDt]);
-            dtx[j] = dt[j] * xv[j];
+            if constexpr (kCh == 1) {
+              dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
+            } else {
+              const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
+              dt[j][0] = d2.x; dt[j][1] = d2.y;
+            }
+            load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
+            CUTE_UNROLL
+            for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
           }
-          float ys[4] = {0.f, 0.f, 0.f, 0.f};
+          float ys[kCh][4];
+          CUTE_UNROLL
+          for (int ch = 0; ch < kCh; ++ch)
+            CUTE_UNROLL
+            for (int j = 0; j < 4; ++j) ys[ch][j] = 0.f;
           CUTE_UNROLL
           for (int q = 0; q < kNS; q += kQ) {
-            float Bq[4][kQ], Cq[4][kQ], dA[4][kQ];
+            float Bq[4][kQ], Cq[4][kQ], dA[4][kCh][kQ];
             CUTE_UNROLL
             for (int j = 0; j < 4; ++j) {
               const float* b = bp + (tg + j) * Cfg::kLdN + q;
@@ -462,33 +545,43 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             CUTE_UNROLL
             for (int j = 0; j < 4; ++j)
               CUTE_UNROLL
-              for (int n = 0; n < kQ; ++n) {
-                const float e = dt[j] * A2[q + n];
-                dA[j][n] = (kPoly && j == 3) ? exp2_poly(e) : ex2_approx(e);
-              }
+              for (int ch = 0; ch < kCh; ++ch)
+                CUTE_UNROLL
+                for (int n = 0; n < kQ; ++n) {
+                  const float e = dt[j][ch] * A2[ch][q + n];
+                  dA[j][ch][n] = (kPoly && j == 3) ? exp2_poly(e) : ex2_approx(e);
+                }
             CUTE_UNROLL
             for (int j = 0; j < 4; ++j)
               CUTE_UNROLL
-              for (int n = 0; n < kQ; ++n) {
-                h[q + n] = fmaf(dA[j][n], h[q + n], dtx[j] * Bq[j][n]);
-                if (kFull) ys[j] = fmaf(Cq[j][n], h[q + n], ys[j]);
-              }
+              for (int ch = 0; ch < kCh; ++ch)
+                CUTE_UNROLL
+                for (int n = 0; n < kQ; ++n) {
+                  h[ch][q + n] = fmaf(dA[j][ch][n], h[ch][q + n], dtx[j][ch] * Bq[j][n]);
+                  if (kFull) ys[ch][j] = fmaf(Cq[j][n], h[ch][q + n], ys[ch][j]);
+                }
           }
           if (kFull) {
-            // Reduce-scatter over the 4 threads of the channel: thread g ends with token tg + g.
-            const bool hi = g & 2;
-            float k0 = hi ? ys[2] : ys[0], k1 = hi ? ys[3] : ys[1];
-            const float s0 = hi ? ys[0] : ys[2], s1 = hi ? ys[1] : ys[3];
-            k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-            k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-            const bool lo = g & 1;
-            float total = lo ? k1 : k0;
-            total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
-            const float xg = g == 0 ? xv[0] : (g == 1 ? xv[1] : (g == 2 ? xv[2] : xv[3]));
-            if (tg + g < n_valid) *yp = EO(fmaf(dskip, xg, total));
+            // Per channel, reduce-scatter over the 4 threads of the channel: thread g ends with token
+            // tg + g.
+            const bool hi = g & 2, lo = g & 1;
+            float out[kCh];
+            CUTE_UNROLL
+            for (int ch = 0; ch < kCh; ++ch) {
+              float k0 = hi ? ys[ch][2] : ys[ch][0], k1 = hi ? ys[ch][3] : ys[ch][1];
+              const float s0 = hi ? ys[ch][0] : ys[ch][2], s1 = hi ? ys[ch][1] : ys[ch][3];
+              k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+              k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+              float total = lo ? k1 : k0;
+              total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
+              const float xg = g == 0 ? xv[0][ch] : (g == 1 ? xv[1][ch] : (g == 2 ? xv[2][ch] : xv[3][ch]));
+              out[ch] = fmaf(dskip[ch], xg, total);
+            }
+            if (tg + g < n_valid) store_vals<kCh>(yp, out);
             yp += y_step;
           } else {
-            sum_dt += (dt[0] + dt[1]) + (dt[2] + dt[3]);
+            CUTE_UNROLL
+            for (int ch = 0; ch < kCh; ++ch) sum_dt[ch] += (dt[0][ch] + dt[1][ch]) + (dt[2][ch] + dt[3][ch]);
           }
         }
       };
@@ -499,11 +592,14 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       st.pstage = (ps + 1) % Cfg::kPStages;
     }
 
-    if (!kFull) {
-      ws.publish<kNS>(s.seg, s.b, d, n0, h, sum_dt, g == 0);
-    } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
-      CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d) * kN + n0 + n] = h[n];
+    CUTE_UNROLL
+    for (int ch = 0; ch < kCh; ++ch) {
+      if (!kFull) {
+        ws.publish<kNS>(s.seg, s.b, d + ch, n0, h[ch], sum_dt[ch], g == 0);
+      } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
+        CUTE_UNROLL
+        for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d + ch) * kN + n0 + n] = h[ch][n];
+      }
     }
   }
 }
@@ -518,7 +614,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   const int warp = cutlass::canonical_warp_idx_sync();
   const int wg = cutlass::canonical_warp_group_idx();
   const int lane_elected = cute::elect_one_sync();
-  const bool producer_lane = (warp == 0) && lane_elected;
+  const bool producer_lane = (warp == 0) && lane_elected;        // operand ring (and x tiles if !kXtWarp)
+  constexpr int kXtProducerWarp = Cfg::kXtWarp ? 1 : 0;
+  const bool xt_lane = Cfg::kXtWarp && (warp == 1) && lane_elected;  // the scan's x tiles
 
   if (producer_lane) {
     cute::prefetch_tma_descriptor(a.tma_x.get_tma_descriptor());
@@ -538,9 +636,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   Ring ring(ss.ring, rp, Shape<_1, _1, _1>{});
   typename XPipe::Params xp;
   xp.transaction_bytes = Cfg::kXtBytes;
-  xp.role = wg == 0 ? (warp == 0 ? XPipe::ThreadCategory::Producer : XPipe::ThreadCategory::NonParticipant)
+  xp.role = wg == 0 ? (warp == kXtProducerWarp ? XPipe::ThreadCategory::Producer : XPipe::ThreadCategory::NonParticipant)
                     : (wg >= 2 ? XPipe::ThreadCategory::Consumer : XPipe::ThreadCategory::NonParticipant);
-  xp.is_leader = producer_lane;
+  xp.is_leader = (warp == kXtProducerWarp) && lane_elected;
   xp.num_consumers = Cfg::kScanThreads;
   XPipe xpipe(ss.xpipe, xp, Shape<_1, _1, _1>{});
   if constexpr (Cfg::kRoundWarps) {
@@ -565,15 +663,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     __threadfence();
     cooperative_groups::this_grid().sync();
   };
-  // Registers: the launch gives 128 per thread (512 threads, 1 CTA/SM); the producer needs few, the
-  // scan (kNS states + 4 tokens of operands in flight) the most. 56 + 152 + 2 * 152 = 4 * 128.
+  // Registers: the launch gives 65536 / kThreads per thread (1 CTA/SM), rounded down to 8; the
+  // producer needs few, the tensor cores (accumulator) and the scan (states + unrolled tokens of
+  // operands in flight) the most: 512 threads 56 + 152 + 2 * 152 = 4 * 128; 384 threads
+  // 56 + 224 + 224 = 3 * 168.
   // One branch per role, setmaxnreg first (ptxas honours it only in this shape).
   if (wg == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<56>();
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kRegProducer>();
     const bool rounder = Cfg::kRoundWarps && warp >= 1 && warp <= 3;
     cutlass::PipelineState<Cfg::kStages> round_st;  // consumer start state: stage 0, phase 0
     if (producer_lane) {
       if (p.n_segments > 1) producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1);
+    } else if (xt_lane) {
+      if (p.n_segments > 1) xt_phase<Cfg>(a, xpipe, ss, st.xt, blockIdx.x, n_phase1);
     } else if (rounder && p.n_segments > 1) {
       round_phase<Cfg>(p, ring, ss, round_st, blockIdx.x, n_phase1);
     }
@@ -581,18 +683,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     if (producer_lane) {
       producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all);
       ring.producer_tail(st.ring);
+    } else if (xt_lane) {
+      xt_phase<Cfg>(a, xpipe, ss, st.xt, blockIdx.x, n_all);
     } else if (rounder) {
       round_phase<Cfg>(p, ring, ss, round_st, blockIdx.x, n_all);
     }
   } else if (wg == 1) {
-    cutlass::arch::warpgroup_reg_alloc<152>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegWork>();
     if (p.n_segments > 1) {
       mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_phase1);
       grid_barrier();
     }
     mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_all);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<152>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegWork>();
     // Both hand-off tiles start empty.
     for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
     if (p.n_segments > 1) {
