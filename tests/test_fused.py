@@ -47,6 +47,21 @@ def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
+# Lengths around the 64-token scan tile and the 128-token tensor-core tile (bf16/fp16, N <= 32): the
+# last tile's second half empty (skipped by every role), partly filled or full; with L split, the last
+# segment is such a tile too.
+@pytest.mark.parametrize("L", [63, 64, 65, 127, 128, 129, 191, 192, 193])
+@pytest.mark.parametrize("N", [16, 32, 64])
+@pytest.mark.parametrize("l_segments", [1, 2])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16"])
+def test_fused_tile_boundaries(L, N, l_segments, mode, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, L, 128, N, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+    check_against_float64(inp, y, h, mode)
+
+
 @pytest.mark.parametrize("shape", [(2, 1000, 256, 16), (1, 777, 128, 64), (3, 130, 64, 8), (1, 3001, 128, 32)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", list(TOLERANCE))

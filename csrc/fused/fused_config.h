@@ -69,8 +69,12 @@ struct Config {
   static constexpr int kThreads = 256 + kScanThreads;
   static_assert(kCh == 1 || kCh == 2, "one or two channels per scan thread");
   static_assert(kScanThreads % 128 == 0, "whole scan warpgroups");
-  static constexpr int kRegProducer = 56;                          // setmaxnreg per role
-  static constexpr int kRegWork = kThreads == 512 ? 152 : 224;      // tensor cores and scan
+  // setmaxnreg per role: producer, tensor cores (the accumulator: kTM * kNW / 128 floats), scan.
+  static constexpr int kRegProducer = kThreads == 512 ? 40 : 56;
+  static constexpr int kRegMma = kThreads == 512 ? 184 : 224;
+  static constexpr int kRegScan = kThreads == 512 ? 144 : 224;
+  static_assert(kRegProducer + kRegMma + kRegScan * (kScanThreads / 128) <= (65536 / kThreads) / 8 * 8 * (kThreads / 128),
+                "register budget of one CTA per SM");
 
   using BlkT = Int<kT>;
   using BlkTM = Int<kTM>;

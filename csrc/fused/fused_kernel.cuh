@@ -77,6 +77,12 @@ __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t id
   return s;
 }
 
+// Whether the scan tile starting at token t0 holds tokens (the first of every tile does).
+template <class Cfg>
+__device__ __forceinline__ bool sub_tile_live(const FusedParams& p, int64_t t0) {
+  return Cfg::kHalves == 1 || t0 < p.seqlen;
+}
+
 template <class Cfg, class TmaX, class TmaXt, class TmaWd, class TmaWn>
 struct KernelArgs {
   TmaX tma_x;     // x as (L, D, batch): operand tiles (64 x kBK), swizzled
@@ -123,7 +129,8 @@ __device__ __forceinline__ void xt_phase(const Args& a, typename Cfg::XPipe& xpi
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(a.p, idx);
     const int64_t t_sub0 = s.t_begin / Cfg::kT;
-    for (int64_t t = 0; t < s.n_tiles * Cfg::kHalves; ++t) load_xt<Cfg>(a, xpipe, ss, st, s.b, t_sub0 + t, s.j);
+    for (int64_t t = 0; t < s.n_tiles * Cfg::kHalves; ++t)
+      if (sub_tile_live<Cfg>(a.p, (t_sub0 + t) * Cfg::kT)) load_xt<Cfg>(a, xpipe, ss, st, s.b, t_sub0 + t, s.j);
   }
 }
 template <class Cfg, class Args>
@@ -154,7 +161,9 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
       const int t_tile = int((s.t_begin / Cfg::kTM) + tile);
       // The x tiles the scan reads (unless warp 1 loads them).
       if constexpr (!Cfg::kXtWarp) {
-        for (int h = 0; h < Cfg::kHalves; ++h) load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, t_tile * Cfg::kHalves + h, s.j);
+        for (int h = 0; h < Cfg::kHalves; ++h)
+          if (sub_tile_live<Cfg>(p, int64_t(t_tile * Cfg::kHalves + h) * Cfg::kT))
+            load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, t_tile * Cfg::kHalves + h, s.j);
       }
       // The operand tiles of every K chunk.
       Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}),
@@ -298,6 +307,9 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
 
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int64_t t0 = s.t_begin + tile * Cfg::kTM;
+      // Scan tiles that start past L (only the last tile of a sequence can have one) are skipped by
+      // every role: no products, no hand-off, no x tile (sub_tile_live).
+      const bool live_rows1 = sub_tile_live<Cfg>(p, t0 + Cfg::kT);
       // ---- products over K
       if constexpr (Cfg::k3x) {
         // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
@@ -326,30 +338,39 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           for (int i = 0; i < size(acc); ++i) acc(i) += tmp(i);
         }
       } else {
-        auto release = st.ring;
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-        warpgroup_fence_operand(acc);
-        for (int k = 0; k < k_tiles; ++k) {
-          const int stage = wait_operands<Cfg>(ring, ss, st.ring);
+        // One K loop per number of live row blocks, chosen once per tile: a branch between the
+        // wgmma of one batch makes ptxas serialise every wgmma of the kernel (C7520).
+        auto k_loop = [&](auto all_blocks) {
+          auto release = st.ring;
+          mma.accumulate_ = GMMA::ScaleOut::Zero;
           warpgroup_fence_operand(acc);
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tAx); ++kb) {
-            cute::gemm(mma, tAx(_, _, kb, stage), tBw(_, _, kb, stage), acc);
-            mma.accumulate_ = GMMA::ScaleOut::One;
+          for (int k = 0; k < k_tiles; ++k) {
+            const int stage = wait_operands<Cfg>(ring, ss, st.ring);
+            warpgroup_fence_operand(acc);
+            warpgroup_arrive();
+            CUTE_UNROLL
+            for (int kb = 0; kb < size<2>(tAx); ++kb) {
+              if constexpr (decltype(all_blocks)::value) {
+                cute::gemm(mma, tAx(_, _, kb, stage), tBw(_, _, kb, stage), acc);
+              } else {  // the second row block is past L (short sequences): its products are skipped
+                cute::gemm(mma, tAx(_, 0, kb, stage), tBw(_, 0, kb, stage), acc(_, 0, 0));
+              }
+              mma.accumulate_ = GMMA::ScaleOut::One;
+            }
+            warpgroup_commit_batch();
+            warpgroup_wait<1>();  // batch k-1 retired: its ring stage can be reused
+            warpgroup_fence_operand(acc);
+            if (k > 0) {
+              ring.consumer_release(release);
+              ++release;
+            }
+            ++st.ring;
           }
-          warpgroup_commit_batch();
-          warpgroup_wait<1>();  // batch k-1 retired: its ring stage can be reused
+          warpgroup_wait<0>();
           warpgroup_fence_operand(acc);
-          if (k > 0) {
-            ring.consumer_release(release);
-            ++release;
-          }
-          ++st.ring;
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
-        ring.consumer_release(release);
+          ring.consumer_release(release);
+        };
+        if (Cfg::kHalves == 1 || live_rows1) k_loop(cute::true_type{}); else k_loop(cute::false_type{});
       }
 
       // ---- epilogue: dt = softplus(acc + bias) (0 past L), B, C -> one hand-off tile per 64 rows
@@ -358,8 +379,9 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       static_assert(decltype(size(acc))::value == kV * Cfg::kHalves, "one accumulator row block per scan tile");
       CUTE_UNROLL
       for (int half = 0; half < Cfg::kHalves; ++half) {
-        const int ps = st.pstage;
         const int64_t th = t0 + half * Cfg::kT;
+        if (half > 0 && !sub_tile_live<Cfg>(p, th)) break;
+        const int ps = st.pstage;
         named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
         CUTE_UNROLL
         for (int v = 0; v < kV; v += 2) {
@@ -484,6 +506,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
 
     for (int64_t tile = 0; tile < s.n_tiles * Cfg::kHalves; ++tile) {  // scan tiles
       const int64_t t0 = s.t_begin + tile * kT;
+      if (!sub_tile_live<Cfg>(p, t0)) continue;
       const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
       const int ps = st.pstage;
       named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
@@ -665,8 +688,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   };
   // Registers: the launch gives 65536 / kThreads per thread (1 CTA/SM), rounded down to 8; the
   // producer needs few, the tensor cores (accumulator) and the scan (states + unrolled tokens of
-  // operands in flight) the most: 512 threads 56 + 152 + 2 * 152 = 4 * 128; 384 threads
-  // 56 + 224 + 224 = 3 * 168.
+  // operands in flight) the most (Config::kReg*).
   // One branch per role, setmaxnreg first (ptxas honours it only in this shape).
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kRegProducer>();
@@ -689,14 +711,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
       round_phase<Cfg>(p, ring, ss, round_st, blockIdx.x, n_all);
     }
   } else if (wg == 1) {
-    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegWork>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegMma>();
     if (p.n_segments > 1) {
       mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_phase1);
       grid_barrier();
     }
     mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_all);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegWork>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kRegScan>();
     // Both hand-off tiles start empty.
     for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
     if (p.n_segments > 1) {
