@@ -20,7 +20,7 @@ FUSED_DIM_MULTIPLE = 64
 FUSED_MAX_DIM = 8192
 # impl='auto' and float32 under matmul precision "highest": the fused kernel (3xTF32) from this many
 # tokens (batch x L) on; measured faster than the unfused path (full-precision cuBLAS SGEMM) on S1-S4
-# (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf-notes.md, fused v2.
+# (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf-notes.md, fused v2 and v3.
 FUSED_FP32_MIN_TOKENS = 4096
 
 _is_sm90: dict = {}  # device index -> whether it is an sm_90 GPU (H100/H200)
@@ -42,9 +42,9 @@ class ScanConfig:
         whole token tiles. 0 = automatic: split only when batch x channel tiles cannot fill the GPU.
         Applies to impl='unfused' and impl='fused'.
     exp_poly: impl='fused' only: one exponential in four is computed by a degree-5 polynomial exp2 on
-        the FMA pipes instead of the MUFU unit (max rel. error 2.3e-7). Off by default: measured no
-        faster on the H200, where the fused kernel is bound by shared-memory bandwidth, not MUFU
-        (docs/perf-notes.md).
+        the FMA pipes instead of the MUFU unit (max rel. error 2.3e-7). Off by default: measured slower
+        on the H200, where the fused kernel's scan is bound by instruction issue and latency, not by
+        MUFU throughput (docs/perf-notes.md).
     """
 
     l_segments: int = 0
