@@ -428,12 +428,11 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
 }
 
-// kCh consecutive values of the x tile / of y as float (one 2- to 8-byte access).
+// Two adjacent values of the x tile / of y as float (one 4- or 8-byte access).
 template <int kCh, class T>
 __device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
-  if constexpr (kCh == 1) {
-    v[0] = float(p[0]);
-  } else if constexpr (cute::is_same_v<T, float>) {
+  static_assert(kCh == 2, "pairs of adjacent channels");
+  if constexpr (cute::is_same_v<T, float>) {
     const float2 f = *reinterpret_cast<const float2*>(p);
     v[0] = f.x; v[1] = f.y;
   } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
@@ -446,9 +445,8 @@ __device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
 }
 template <int kCh, class T>
 __device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
-  if constexpr (kCh == 1) {
-    p[0] = T(v[0]);
-  } else if constexpr (cute::is_same_v<T, float>) {
+  static_assert(kCh == 2, "pairs of adjacent channels");
+  if constexpr (cute::is_same_v<T, float>) {
     *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
   } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
@@ -470,11 +468,9 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   using EO = typename Cfg::ElementIn;
   constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT, kCh = Cfg::kCh;
   constexpr int kChains = kCh * kNS;  // recurrences per thread
-#ifdef SELSCAN_FUSED_TOKEN_UNROLL
-  constexpr int kTokenUnroll = SELSCAN_FUSED_TOKEN_UNROLL;
-#else
+  // Unrolled 4 times (2 at N = 32, 1 at N = 64, where the registers run out); 8 or 16 times overflow
+  // the instruction cache (docs/perf-notes.md, v3).
   constexpr int kTokenUnroll = kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1);
-#endif
   const int tid = threadIdx.x - 256;   // 0 .. kScanThreads-1
   const int c = (tid / Cfg::kP) * kCh; // first channel in the tile
   const int g = tid % Cfg::kP;         // state group; also the token of 4 this thread stores
@@ -527,12 +523,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
           float dt[4][kCh], dtx[4][kCh], xv[4][kCh];
           CUTE_UNROLL
           for (int j = 0; j < 4; ++j) {
-            if constexpr (kCh == 1) {
-              dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
-            } else {
-              const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
-              dt[j][0] = d2.x; dt[j][1] = d2.y;
-            }
+            const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
+            dt[j][0] = d2.x; dt[j][1] = d2.y;
             load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
             CUTE_UNROLL
             for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
