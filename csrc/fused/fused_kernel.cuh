@@ -16,7 +16,7 @@
 //                accumulator (3xTF32 for float32 "highest"); then dt = softplus(acc + bias) (0 past
 //                L), B and C go to the hand-off tiles (kPStages of 64 tokens), and it moves on to
 //                the next tile's products while the scan works on these.
-//   scan warpgroup(s)  thread (channels c..c+kCh-1, group g) owns kNS = N/4 states of kCh = 2
+//   warpgroup 2  scan: thread (channels c and c + 1, group g) owns kNS = N/4 states of each of the two
 //                adjacent channels; per 4 tokens: loads (B and C once for both channels), 4*kCh*kNS
 //                independent exp2, the chains through h, per channel the partial sums of y
 //                reduce-scattered over the 4 threads of the channel (3 shuffles), and
