@@ -37,6 +37,7 @@
 
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
+#include "fused_api.h"
 #include "fused_config.h"
 #include "fused_params.h"
 
@@ -755,6 +756,9 @@ struct Launcher {
   using Args = decltype(make_tmas<Cfg>(FusedParams{}));
   static constexpr int kSmem = int(sizeof(SharedStorage<Cfg>));
   static_assert(kSmem <= 227 * 1024, "shared memory budget exceeded");
+  // The host plans L segments in whole multiples of kFusedTokenTile; every tensor-core tile must fit
+  // them exactly, or a segment would end inside a tile.
+  static_assert(kFusedTokenTile % Cfg::kTM == 0, "L segments must be whole tensor-core tiles");
 
   static cudaError_t prepare(int device) {
     static bool done[64] = {};
