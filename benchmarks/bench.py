@@ -68,7 +68,7 @@ def make(shape: str, dtype: str):
     return make_inputs(b, L, D, N, TORCH_DTYPE[dtype], "cuda")
 
 
-def paths(inp, impls, segments):
+def paths(inp, impls, segments, rings=(0,)):
     """(name, callable) for every path asked for."""
     out = []
     W = torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]])
@@ -89,12 +89,14 @@ def paths(inp, impls, segments):
             and unsupported_reason("fused", inp["x"], inp["A_log"].shape[1]) is None):
         for seg in segments:
             tag = "" if seg == 0 else f"[seg={seg}]"
-            # fused-poly: the ablation switch ScanConfig(exp_poly=True).
+            # fused-poly: the ablation switch ScanConfig(exp_poly=True); [ring=k]: ScanConfig(ring_stages=k).
             for name, poly in (("fused", False), ("fused-poly", True)):
                 if name in impls:
-                    cfg = ScanConfig(l_segments=seg, exp_poly=poly)
-                    out.append((f"{name}{tag}", lambda cfg=cfg: selscan_fused.selective_scan(
-                        *args, impl="fused", config=cfg)))
+                    for ring in rings:
+                        rtag = "" if ring == 0 else f"[ring={ring}]"
+                        cfg = ScanConfig(l_segments=seg, exp_poly=poly, ring_stages=ring)
+                        out.append((f"{name}{tag}{rtag}", lambda cfg=cfg: selscan_fused.selective_scan(
+                            *args, impl="fused", config=cfg)))
     return out
 
 
@@ -105,11 +107,14 @@ def main():
     ap.add_argument("--impls", default="fused,unfused,scan,gemm",
                     help="comma list of: fused, fused-poly (ScanConfig(exp_poly=True)), unfused, scan, gemm")
     ap.add_argument("--segments", default="0", help="L-split values to time (0 = automatic)")
+    ap.add_argument("--ring-stages", default="0",
+                    help="fused operand-ring depths to time (ScanConfig(ring_stages=...); 0 = all that fit)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     impls = set(a.impls.split(","))
     segments = [int(s) for s in a.segments.split(",")]
+    rings = [int(s) for s in a.ring_stages.split(",")]
     rows = []
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  selscan_fused {selscan_fused.__version__}")
     hdr = (f"{'shape':6} {'dtype':9} {'path':28} {'gpu ms':>8} {'eager ms':>8} {'Texp/s':>7} {'GB/s':>6} "
@@ -123,7 +128,7 @@ def main():
             f = floors(shape, dtype)
             largest = max(f.exp_ms, f.io_ms, f.gemm_ms)
             mamba_key = (shape, dtype)
-            for name, fn in paths(inp, impls, segments):
+            for name, fn in paths(inp, impls, segments, rings):
                 ms = time_ms(fn, a.reps, graph=True)
                 eager = time_ms(fn, a.reps)
                 exps = b * L * D * N / (ms * 1e-3) / 1e12

@@ -45,10 +45,28 @@ class ScanConfig:
         the FMA pipes instead of the MUFU unit (max rel. error 2.3e-7). Off by default: measured slower
         on the H200, where the fused kernel's scan is bound by instruction issue and latency, not by
         MUFU throughput (docs/perf-notes.md).
+    ring_stages: impl='fused' only: how many stages of the kernel's operand ring (the TMA -> tensor core
+        pipeline of x and weight tiles) are in use, from 2 to the deepest that fits in shared memory:
+        bfloat16/float16 5 / 5 / 4 / 3 at N = 8 / 16 / 32 / 64, float32 TF32 ("high") 7 / 6 / 4 / 4,
+        float32 3xTF32 ("highest") 3 / 3 / 3 / 2; a larger value is an error that names the maximum.
+        0 = all that fit, the measured default (docs/perf-notes.md, v2: deeper rings measured faster on
+        S3 and S5, never slower).
     """
 
     l_segments: int = 0
     exp_poly: bool = False
+    ring_stages: int = 0
+
+    def __post_init__(self):
+        for name in ("l_segments", "ring_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"selscan_fused: ScanConfig({name}={v!r}) must be an int >= 0")
+        if self.ring_stages == 1:
+            raise ValueError("selscan_fused: ScanConfig(ring_stages=1): the ring needs at least 2 stages "
+                             "(0 = all that fit)")
+        if not isinstance(self.exp_poly, bool):
+            raise ValueError(f"selscan_fused: ScanConfig(exp_poly={self.exp_poly!r}) must be a bool")
 
 
 DEFAULT_CONFIG = ScanConfig()
@@ -198,11 +216,14 @@ def selective_scan(
         if cfg.exp_poly and chosen != "fused":
             raise ValueError(f"selscan_fused: ScanConfig(exp_poly=True) applies to impl='fused' only; "
                              f"this call runs impl={chosen!r}")
+        if cfg.ring_stages and chosen != "fused":
+            raise ValueError(f"selscan_fused: ScanConfig(ring_stages={cfg.ring_stages}) applies to impl='fused' "
+                             f"only; this call runs impl={chosen!r}")
         require_extension(chosen)
         if chosen == "fused":
             y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                      bool(return_final_state), int(cfg.l_segments),
-                                                     bool(cfg.exp_poly))
+                                                     bool(cfg.exp_poly), int(cfg.ring_stages))
         else:
             y, h = torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                        bool(return_final_state), int(cfg.l_segments))

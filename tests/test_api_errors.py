@@ -57,3 +57,15 @@ def test_raw_op_rejects_cpu_tensors_clearly():
 
 def test_auto_on_cpu_is_reference():
     assert selscan_fused.resolve_impl("auto", torch.randn(1, 2, 16), 8) == "reference"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ring_stages=-1), r"ring_stages=-1\) must be an int >= 0"),
+    (dict(ring_stages=1), r"ring_stages=1\): the ring needs at least 2 stages"),
+    (dict(ring_stages=2.0), r"ring_stages=2.0\) must be an int >= 0"),
+    (dict(l_segments=True), r"l_segments=True\) must be an int >= 0"),
+    (dict(exp_poly=1), r"exp_poly=1\) must be a bool"),
+])
+def test_scan_config_rejects_bad_switches(kw, match):
+    with pytest.raises(ValueError, match=match):
+        selscan_fused.ScanConfig(**kw)

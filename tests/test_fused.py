@@ -74,6 +74,28 @@ def test_fused_exp_poly_matches_float64(shape, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
+# The ablation switch ScanConfig(ring_stages=...): depths from 2 to the deepest that fits, with L split
+# (both phases walk the ring) and odd L, in every dtype mode.
+@pytest.mark.parametrize("mode,N,stages", [("bfloat16", 16, 2), ("bfloat16", 16, 3), ("bfloat16", 16, 5),
+                                           ("bfloat16", 32, 4), ("float16", 64, 2), ("float16", 8, 3),
+                                           ("float32-highest", 16, 2), ("float32-highest", 64, 2),
+                                           ("float32-high", 16, 6), ("float32-high", 8, 5)])
+def test_fused_ring_stages_match_float64(mode, N, stages, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, 1000, 256, N, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(ring_stages=stages, l_segments=2))
+    check_against_float64(inp, y, h, mode)
+
+
+def test_fused_ring_stages_errors():
+    inp = make_inputs(1, 9, 64, 16, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"ring_stages=6\) is out of range: 0 \(all that fit\) or 2 \.\. 5"):
+        call(inp, "fused", config=ScanConfig(ring_stages=6))
+    with pytest.raises(ValueError, match="ring_stages=3.*impl='fused' only"):
+        call(inp, "unfused", config=ScanConfig(ring_stages=3))
+
+
 def test_fused_tiny_float32_high_calls_take_3xtf32(poisoned_outputs):
     """Under "high", calls of at most 65,536 outputs use the 3xTF32 split (float32-accurate): TF32 alone
     over 64 outputs exceeded the 1e-3 bound in 1% of random draws (benchmarks/accuracy_sweep.py)."""

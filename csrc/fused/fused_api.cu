@@ -5,6 +5,7 @@
 
 #include "../common/cuda_check.h"
 #include "fused_api.h"
+#include "fused_config.h"
 #include "fused_instances.h"
 
 namespace selscan {
@@ -37,6 +38,29 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int dev
   split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), kFusedTokenTile, &out->n_segments,
                 &out->seg_len);
   return cudaSuccess;
+}
+
+namespace {
+template <class E, bool k3x>
+int max_stages(int64_t n) {
+  switch (n) {
+    case 8: return fused::Config<E, 8, k3x>::kStages;
+    case 16: return fused::Config<E, 16, k3x>::kStages;
+    case 32: return fused::Config<E, 32, k3x>::kStages;
+    case 64: return fused::Config<E, 64, k3x>::kStages;
+    default: return 0;
+  }
+}
+}  // namespace
+
+int fused_max_ring_stages(DType dtype, int64_t dstate, bool fp32_3xtf32) {
+  switch (dtype) {
+    case DType::kBFloat16: return max_stages<::cute::bfloat16_t, false>(dstate);
+    case DType::kFloat16: return max_stages<::cute::half_t, false>(dstate);
+    case DType::kFloat32:
+      return fp32_3xtf32 ? max_stages<float, true>(dstate) : max_stages<float, false>(dstate);
+  }
+  return 0;
 }
 
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream) {

@@ -25,6 +25,10 @@ struct FusedLaunchInfo {
 // L split for a problem (requested_segments <= 0: automatic).
 cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
 
+// The deepest operand ring that fits in shared memory for this dtype / N / float32 mode (the upper
+// bound of FusedParams::ring_stages); 0 if the combination has no kernel.
+int fused_max_ring_stages(DType dtype, int64_t dstate, bool fp32_3xtf32);
+
 // Launches on `stream` (p.n_segments/seg_len from fused_plan, p.workspace sized by
 // split_workspace_floats). Returns the first CUDA error met.
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);

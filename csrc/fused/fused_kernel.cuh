@@ -94,10 +94,26 @@ struct KernelArgs {
   FusedParams p;
 };
 
+// A position in the operand ring when `n_stages` of its kStages stages are in use (the ablation
+// switch FusedParams::ring_stages; the shared memory always holds kStages). CUTLASS's pipeline calls
+// read only the index and phase.
+template <uint32_t kMax>
+struct RingState : cutlass::PipelineState<kMax> {
+  int n_stages = int(kMax);
+  __device__ __forceinline__ void operator++() {
+    ++this->index_;
+    ++this->count_;
+    if (this->index_ == n_stages) {
+      this->index_ = 0;
+      this->phase_ ^= 1;
+    }
+  }
+};
+
 // Per-role state carried from phase 1 into phase 2.
 template <class Cfg>
 struct RoleState {
-  cutlass::PipelineState<Cfg::kStages> ring;
+  RingState<Cfg::kStages> ring;
   cutlass::PipelineState<Cfg::kXStages> xt;
   int pstage = 0;
 };
@@ -220,7 +236,7 @@ __device__ __forceinline__ float tf32_round(float f) {
 // prepared once per fill.
 template <class Cfg>
 __device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
-                                            cutlass::PipelineState<Cfg::kStages>& st, int64_t first, int64_t count) {
+                                            RingState<Cfg::kStages>& st, int64_t first, int64_t count) {
   const int tid = threadIdx.x - 32;  // 0..95
   const int k_tiles = int(p.dim / Cfg::kBK);
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
@@ -666,8 +682,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   __syncthreads();  // barrier initialisation visible to everyone
 
   RoleState<Cfg> st;
+  st.ring.n_stages = p.ring_stages;  // set by the launcher: 2 .. kStages
   if (wg == 0) {
-    st.ring = cutlass::make_producer_start_state<Ring>();
+    st.ring.phase_ = 1;  // the producer's start state: every stage free
     st.xt = cutlass::make_producer_start_state<XPipe>();
   }
   const int64_t streams_per_seg = p.batch * (p.dim / Cfg::kDt);
@@ -686,7 +703,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kRegProducer>();
     const bool rounder = Cfg::kRoundWarps && warp >= 1 && warp <= 3;
-    cutlass::PipelineState<Cfg::kStages> round_st;  // consumer start state: stage 0, phase 0
+    RingState<Cfg::kStages> round_st;  // consumer start state: stage 0, phase 0
+    round_st.n_stages = p.ring_stages;
     if (producer_lane) {
       if (p.n_segments > 1) producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1);
     } else if (xt_lane) {
@@ -697,7 +715,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     if (p.n_segments > 1) grid_barrier();
     if (producer_lane) {
       producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all);
-      ring.producer_tail(st.ring);
+      // No producer_tail: it guards cluster peers' arrivals after an early exit (this kernel runs
+      // without clusters), and it walks all kStages stages, not the n_stages in use.
     } else if (xt_lane) {
       xt_phase<Cfg>(a, xpipe, ss, st.xt, blockIdx.x, n_all);
     } else if (rounder) {
@@ -774,7 +793,10 @@ struct Launcher {
     SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
     SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     SELSCAN_RETURN_IF_ERROR(prepare(device));
-    const Args args = make_tmas<Cfg>(p);
+    FusedParams q = p;
+    if (q.ring_stages == 0) q.ring_stages = Cfg::kStages;  // default: every stage that fits
+    if (q.ring_stages < 2 || q.ring_stages > Cfg::kStages) return cudaErrorInvalidValue;
+    const Args args = make_tmas<Cfg>(q);
     const int64_t n_streams = p.batch * (p.dim / Cfg::kDt) * p.n_segments;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];

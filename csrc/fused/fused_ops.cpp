@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
                                              const at::Tensor& W_delta, const at::Tensor& b_delta,
                                              const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
                                              const c10::optional<at::Tensor>& h0, bool return_final_state,
-                                             int64_t l_segments, bool exp_poly) {
+                                             int64_t l_segments, bool exp_poly, int64_t ring_stages) {
   auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
   check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
   check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
@@ -70,6 +70,12 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   p.exp_poly = exp_poly;
+  const int max_stages = fused_max_ring_stages(p.dtype, N, p.fp32_3xtf32);
+  TORCH_CHECK(ring_stages == 0 || (ring_stages >= 2 && ring_stages <= max_stages),
+              "selscan_fused: ScanConfig(ring_stages=", ring_stages, ") is out of range: 0 (all that fit) or 2 .. ",
+              max_stages, " for ", x.scalar_type(), " with N = ", N,
+              (p.dtype == DType::kFloat32 ? (p.fp32_3xtf32 ? " (3xTF32)" : " (TF32)") : ""));
+  p.ring_stages = int(ring_stages);
   FusedLaunchInfo plan;
   SELSCAN_CUDA_OK(fused_plan(p, l_segments, x.get_device(), &plan), "planning the fused kernel");
   p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
@@ -108,7 +114,8 @@ void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
 
 TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   m.def("fused_fwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
-        "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False) -> (Tensor, Tensor)");
+        "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False, "
+        "int ring_stages=0) -> (Tensor, Tensor)");
   m.def("fused_plan(Tensor x, int dstate, int l_segments) -> int[]");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
 }

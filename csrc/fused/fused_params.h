@@ -20,6 +20,8 @@ struct FusedParams {
   bool fp32_3xtf32 = true;
   // Ablation switch: one exponential in four on the FMA pipe (a polynomial exp2) instead of MUFU.
   bool exp_poly = false;
+  // Ablation switch: operand-ring stages in use, 2 .. fused_max_ring_stages(); 0 = all that fit.
+  int ring_stages = 0;
 
   // Inputs, all contiguous.
   const void* x = nullptr;          // (batch, L, D), dtype
