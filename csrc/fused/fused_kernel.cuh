@@ -489,8 +489,12 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   // the instruction cache (docs/perf-notes.md, v3).
   constexpr int kTokenUnroll = kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1);
   const int tid = threadIdx.x - 256;   // 0 .. kScanThreads-1
-  const int c = (tid / Cfg::kP) * kCh; // first channel in the tile
-  const int g = tid % Cfg::kP;         // state group; also the token of 4 this thread stores
+  // Lanes 8q .. 8q+7 of a warp share state group q: a 16-byte load of B or C then reads one address
+  // per quarter-warp, 2 shared-memory wavefronts instead of 4 when neighbouring lanes differ (measured
+  // with a micro-benchmark; docs/perf-notes.md). The 4 threads of a channel pair are 8 lanes apart.
+  static_assert(Cfg::kP == 4, "four state groups per channel pair");
+  const int c = ((tid / 32) * 8 + tid % 8) * kCh;  // first channel in the tile
+  const int g = (tid % 32) / 8;                     // state group; also the token of 4 this thread stores
   const int n0 = g * kNS;
   const bool poly = p.exp_poly;        // token 3 of every 4 takes the polynomial exp2
   const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
@@ -602,10 +606,10 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             for (int ch = 0; ch < kCh; ++ch) {
               float k0 = hi ? ys[ch][2] : ys[ch][0], k1 = hi ? ys[ch][3] : ys[ch][1];
               const float s0 = hi ? ys[ch][0] : ys[ch][2], s1 = hi ? ys[ch][1] : ys[ch][3];
-              k0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-              k1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+              k0 += __shfl_xor_sync(0xffffffffu, s0, 16);
+              k1 += __shfl_xor_sync(0xffffffffu, s1, 16);
               float total = lo ? k1 : k0;
-              total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
+              total += __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 8);
               const float xg = g == 0 ? xv[0][ch] : (g == 1 ? xv[1][ch] : (g == 2 ? xv[2][ch] : xv[3][ch]));
               out[ch] = fmaf(dskip[ch], xg, total);
             }
