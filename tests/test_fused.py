@@ -74,6 +74,22 @@ def test_fused_exp_poly_matches_float64(shape, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
+# bf16/fp16 with N = 16 have two scan layouts, chosen by stream length (kFusedShortStream = 1024
+# tokens per L segment): two scan warpgroups for short streams, one otherwise. Both sides of the
+# threshold, with and without the L split.
+@pytest.mark.parametrize("L,l_segments,short", [(1000, 1, True), (1100, 1, False), (2000, 2, True),
+                                                (4100, 2, False)])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16"])
+def test_fused_both_scan_layouts(L, l_segments, short, mode, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, L, 128, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        _, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
+        assert (seg_len <= 1024) == short
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+    check_against_float64(inp, y, h, mode)
+
+
 # The ablation switch ScanConfig(ring_stages=...): depths from 2 to the deepest that fits, with L split
 # (both phases walk the ring) and odd L, in every dtype mode.
 @pytest.mark.parametrize("mode,N,stages", [("bfloat16", 16, 2), ("bfloat16", 16, 3), ("bfloat16", 16, 5),

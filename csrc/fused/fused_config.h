@@ -11,7 +11,7 @@ namespace fused {
 
 using namespace cute;
 
-template <class ElementIn_, int kN_, bool k3xTF32_>
+template <class ElementIn_, int kN_, bool k3xTF32_, int kCh_ = 2>
 struct Config {
   using ElementIn = ElementIn_;                                   // bfloat16_t, half_t or float
   static constexpr bool kTF32 = cute::is_same_v<ElementIn, float>;
@@ -55,23 +55,27 @@ struct Config {
   static constexpr bool kXtWarp = !kRoundWarps;
 
   // Threads: warpgroup 0 loads (one elected lane of warp 0), warpgroup 1 runs the tensor cores and
-  // the softplus epilogue, warpgroup 2 runs the scan: two adjacent channels per scan thread, which
-  // share their B and C loads (one channel per thread, with two scan warpgroups, measured slower:
-  // docs/perf-notes.md, v3).
-  static constexpr int kCh = 2;                  // channels per scan thread
+  // the softplus epilogue, the rest run the scan. kCh = 2: two adjacent channels per scan thread,
+  // which share their B and C loads, one scan warpgroup (the default). kCh = 1: one channel per
+  // thread, two scan warpgroups (two scan warps per scheduler): more instructions per exponential
+  // but shorter latency per tile, used for short streams (FusedParams::seg_len <= kFusedShortStream;
+  // docs/perf-notes.md, v3.2).
+  static constexpr int kCh = kCh_;               // channels per scan thread
+  static_assert(kCh == 1 || kCh == 2, "one or two channels per scan thread");
   static constexpr int kP = 4;                   // scan threads per channel
   static constexpr int kNS = kN / kP;            // states per scan thread and channel
   static constexpr int kQ = kNS < 4 ? kNS : 4;   // states per inner step (one 8/16-byte load)
   static constexpr int kMmaThreads = 128;
   static constexpr int kScanThreads = kDt * kP / kCh;
   static constexpr int kThreads = 256 + kScanThreads;
-  static_assert(kScanThreads == 128, "one scan warpgroup");
-  // setmaxnreg per role (65536 / 384 = 168 each at launch): producer, tensor cores (the accumulator:
+  static_assert(kScanThreads % 128 == 0, "whole scan warpgroups");
+  // setmaxnreg per role (65536 / kThreads each at launch): producer, tensor cores (the accumulator:
   // kTM * kNW / 128 floats), scan.
-  static constexpr int kRegProducer = 56;
-  static constexpr int kRegMma = 224;
-  static constexpr int kRegScan = 224;
-  static_assert(kRegProducer + kRegMma + kRegScan == 3 * 168, "register budget of one CTA per SM");
+  static constexpr int kRegProducer = kThreads == 512 ? 40 : 56;
+  static constexpr int kRegMma = kThreads == 512 ? 184 : 224;
+  static constexpr int kRegScan = kThreads == 512 ? 144 : 224;
+  static_assert(kRegProducer + kRegMma + kRegScan * (kScanThreads / 128) == (65536 / kThreads) / 8 * 8 * (kThreads / 128),
+                "register budget of one CTA per SM");
 
   using BlkT = Int<kT>;
   using BlkTM = Int<kTM>;

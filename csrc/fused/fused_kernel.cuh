@@ -17,7 +17,8 @@
 //                L), B and C go to the hand-off tiles (kPStages of 64 tokens), and it moves on to
 //                the next tile's products while the scan works on these.
 //   warpgroup 2  scan: thread (channels c and c + 1, group g) owns kNS = N/4 states of each of the two
-//                adjacent channels; per 4 tokens: loads (B and C once for both channels), 4*kCh*kNS
+//                adjacent channels (Config kCh = 1, short streams: warpgroups 2 and 3, one channel
+//                per thread); per 4 tokens: loads (B and C once for both channels), 4*kCh*kNS
 //                independent exp2, the chains through h, per channel the partial sums of y
 //                reduce-scattered over the 4 threads of the channel (3 shuffles), and
 //                y = sum + D*x stored straight to global memory.
@@ -445,11 +446,12 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
 }
 
-// Two adjacent values of the x tile / of y as float (one 4- or 8-byte access).
+// kCh (1 or 2) adjacent values of the x tile / of y as float (one 2- to 8-byte access).
 template <int kCh, class T>
 __device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
-  static_assert(kCh == 2, "pairs of adjacent channels");
-  if constexpr (cute::is_same_v<T, float>) {
+  if constexpr (kCh == 1) {
+    v[0] = float(p[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
     const float2 f = *reinterpret_cast<const float2*>(p);
     v[0] = f.x; v[1] = f.y;
   } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
@@ -462,8 +464,9 @@ __device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
 }
 template <int kCh, class T>
 __device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
-  static_assert(kCh == 2, "pairs of adjacent channels");
-  if constexpr (cute::is_same_v<T, float>) {
+  if constexpr (kCh == 1) {
+    p[0] = T(v[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
     *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
   } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
@@ -544,8 +547,12 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
           float dt[4][kCh], dtx[4][kCh], xv[4][kCh];
           CUTE_UNROLL
           for (int j = 0; j < 4; ++j) {
-            const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
-            dt[j][0] = d2.x; dt[j][1] = d2.y;
+            if constexpr (kCh == 1) {
+              dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
+            } else {
+              const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
+              dt[j][0] = d2.x; dt[j][1] = d2.y;
+            }
             load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
             CUTE_UNROLL
             for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
