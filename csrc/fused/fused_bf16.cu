@@ -1,6 +1,5 @@
 // Fused kernel instances: cute::bfloat16_t, 3xTF32 = false, N in {8, 16, 32, 64}; N = 16 also
 // with two scan warpgroups for short streams (kFusedShortStream).
-#include "fused_api.h"
 #include "fused_instances.h"
 #include "fused_kernel.cuh"
 
@@ -11,9 +10,7 @@ template <>
 cudaError_t launch_dtype<cute::bfloat16_t, false>(const FusedParams& p, cudaStream_t stream) {
   switch (p.dstate) {
     case 8: return Launcher<Config<cute::bfloat16_t, 8, false>>::launch(p, stream);
-    case 16:
-      return p.seg_len <= kFusedShortStream ? Launcher<Config<cute::bfloat16_t, 16, false, 1>>::launch(p, stream)
-                                            : Launcher<Config<cute::bfloat16_t, 16, false>>::launch(p, stream);
+    case 16: return launch_n16<cute::bfloat16_t>(p, stream);
     case 32: return Launcher<Config<cute::bfloat16_t, 32, false>>::launch(p, stream);
     case 64: return Launcher<Config<cute::bfloat16_t, 64, false>>::launch(p, stream);
     default: return cudaErrorInvalidValue;

@@ -825,5 +825,16 @@ struct Launcher {
   }
 };
 
+// bf16/fp16 with N = 16: the scan layout by stream length (two scan warpgroups for streams of at most
+// kFusedShortStream tokens; docs/perf-notes.md, v3.2). fused_max_ring_stages() reads the default
+// Config, so both layouts must hold the same ring.
+template <class E>
+cudaError_t launch_n16(const FusedParams& p, cudaStream_t stream) {
+  using Short = Config<E, 16, false, 1>;
+  using Long = Config<E, 16, false>;
+  static_assert(Short::kStages == Long::kStages, "both scan layouts hold the same operand ring");
+  return p.seg_len <= kFusedShortStream ? Launcher<Short>::launch(p, stream) : Launcher<Long>::launch(p, stream);
+}
+
 }  // namespace fused
 }  // namespace selscan
