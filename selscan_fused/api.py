@@ -213,12 +213,11 @@ def selective_scan(
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
-        if cfg.exp_poly and chosen != "fused":
-            raise ValueError(f"selscan_fused: ScanConfig(exp_poly=True) applies to impl='fused' only; "
+        fused_only = (["exp_poly=True"] if cfg.exp_poly else []) + \
+                     ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else [])
+        if fused_only and chosen != "fused":
+            raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
                              f"this call runs impl={chosen!r}")
-        if cfg.ring_stages and chosen != "fused":
-            raise ValueError(f"selscan_fused: ScanConfig(ring_stages={cfg.ring_stages}) applies to impl='fused' "
-                             f"only; this call runs impl={chosen!r}")
         require_extension(chosen)
         if chosen == "fused":
             y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
