@@ -47,7 +47,7 @@ class ScanConfig:
         MUFU throughput (docs/perf-notes.md).
     ring_stages: impl='fused' only: how many stages of the kernel's operand ring (the TMA -> tensor core
         pipeline of x and weight tiles) are in use, from 2 to the deepest that fits in shared memory:
-        bfloat16/float16 5 / 5 / 4 / 3 at N = 8 / 16 / 32 / 64, float32 TF32 ("high") 7 / 6 / 4 / 4,
+        bfloat16/float16 5 / 5 / 4 / 3 at N = 8 / 16 / 32 / 64, float32 TF32 ("high") 5 / 4 / 4 / 4,
         float32 3xTF32 ("highest") 3 / 3 / 3 / 2; a larger value is an error that names the maximum.
         0 = all that fit, the measured default (docs/perf-notes.md, "Ablation switch: operand-ring
         depth": fastest or within noise on S1-S5 in every dtype; 2 stages cost up to 1.7x on S3).

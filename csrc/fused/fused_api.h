@@ -9,9 +9,9 @@ namespace selscan {
 constexpr int64_t kFusedTokenTile = 128;   // L segments are whole multiples of the largest token tile
 constexpr int64_t kFusedChannelTile = 64;  // channels per CTA; D must be a multiple
 constexpr int64_t kFusedMaxDim = 8192;
-// bf16/fp16 with N = 16: streams (L segments) of at most this many tokens take the kernel with two
-// scan warpgroups (one channel per scan thread): 9-13% faster on S1 and S5, 3% slower on S2/S3
-// (docs/perf-notes.md, v3.2).
+// bf16/fp16 and float32 "high" with N = 16: streams (L segments) of at most this many tokens take
+// the kernel with two scan warpgroups (one channel per scan thread): bf16 9-13% faster on S1 and S5,
+// 3% slower on S2/S3 (docs/perf-notes.md, v3.2); float32 "high" S1 1.5% faster (v3.3).
 constexpr int64_t kFusedShortStream = 1024;
 // float32 under "high"/"medium": calls with at most this many outputs (batch x L x D) use 3xTF32.
 constexpr int64_t kFusedTf32MinOutputs = 65536;

@@ -23,9 +23,11 @@ struct Config {
   static constexpr int kN = kN_;
   static constexpr int kT = 64;                           // tokens per scan tile (hand-off stage)
   // Tokens per tensor-core tile: 128 (two wgmma M = 64 rows per K step) halves the weight bytes
-  // each token costs (docs/perf-notes.md, v3: the operand loads bound S3); 64 where the
-  // accumulator or the ring would not fit (float32, N = 64).
-  static constexpr int kTM = (kTF32 || kN >= 64) ? 64 : 128;
+  // each token costs (docs/perf-notes.md, v3: the operand loads bound S3; v3.3: float32 "high" is
+  // bound by rounding its ring stages, which 128-token tiles halve per token for the weights); 64
+  // where the accumulators or the ring would not fit (N = 64; float32 N = 32; float32 "highest",
+  // whose 3xTF32 products keep a second accumulator).
+  static constexpr int kTM = (kN >= 64 || k3x || (kTF32 && kN >= 32)) ? 64 : 128;
   static constexpr int kHalves = kTM / kT;               // scan tiles per tensor-core tile
   static constexpr int kDt = 64;                          // channels per CTA
   static constexpr int kBK = 128 / int(sizeof(Element));  // K per stage: one 128-byte swizzle row
@@ -50,8 +52,10 @@ struct Config {
   // TF32 remainders v - tf32(v) of the stage to a remainder ring of the same depth.
   static constexpr bool kRoundWarps = kTF32;
   static constexpr int kRoundThreads = 96;
-  // Without rounding warps, warp 1 loads the scan's x tiles on its own, as soon as the scan frees a
-  // stage (the ring's producer would load them only between two tiles' operands: measured, v3).
+  // Who loads the scan's x tiles (never the ring's producer, which would block on the scan between
+  // two tiles' operands: measured, v3): without rounding warps, warp 1's elected lane, as soon as
+  // the scan frees a stage; with them (float32), the tensor-core warpgroup's elected thread, right
+  // after the scan has freed the hand-off tile of the same scan tile (docs/perf-notes.md, v3.3).
   static constexpr bool kXtWarp = !kRoundWarps;
 
   // Threads: warpgroup 0 loads (one elected lane of warp 0), warpgroup 1 runs the tensor cores and

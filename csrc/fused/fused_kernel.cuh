@@ -9,13 +9,14 @@
 //                tile, x[t0:t0+kTM, k:k+kBK], W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK] and
 //                W_C[:, k:k+kBK] into a kStages ring (the three weight boxes stacked into one tile).
 //                Warp 1's elected lane loads the scan's x tiles (64 x kDt) as the scan frees them
-//                (float32: warp 0 does, and warps 1-3 round each stage to TF32 ("high") or write
-//                its TF32 remainders to a remainder ring ("highest")).
+//                (float32: warpgroup 1's elected thread does, and warps 1-3 round each stage to TF32
+//                ("high") or write its TF32 remainders to a remainder ring ("highest")).
 //   warpgroup 1  tensor cores: per K step, x (kTM x kBK) against the stacked weight tile
 //                [W_delta slice; W_B; W_C] (kDt + 2N rows) as kTM / 64 wgmma, into one float32
 //                accumulator (3xTF32 for float32 "highest"); then dt = softplus(acc + bias) (0 past
-//                L), B and C go to the hand-off tiles (kPStages of 64 tokens), and it moves on to
-//                the next tile's products while the scan works on these.
+//                L), B and C go to the hand-off tiles (kPStages of 64 tokens; float32: the x tile
+//                of the same scan tile is loaded then), and it moves on to the next tile's
+//                products while the scan works on these.
 //   warpgroup 2  scan: thread (channels c and c + 1, group g) owns kNS = N/4 states of each of the two
 //                adjacent channels (Config kCh = 1, short streams: warpgroups 2 and 3, one channel
 //                per thread); per 4 tokens: loads (B and C once for both channels), 4*kCh*kNS
@@ -152,7 +153,7 @@ __device__ __forceinline__ void xt_phase(const Args& a, typename Cfg::XPipe& xpi
   }
 }
 template <class Cfg, class Args>
-__device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring& ring, typename Cfg::XPipe& xpipe,
+__device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring& ring,
                                                SharedStorage<Cfg>& ss, RoleState<Cfg>& st, int64_t first,
                                                int64_t count) {
   const FusedParams& p = a.p;
@@ -177,12 +178,6 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
     Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int t_tile = int((s.t_begin / Cfg::kTM) + tile);
-      // The x tiles the scan reads (unless warp 1 loads them).
-      if constexpr (!Cfg::kXtWarp) {
-        for (int h = 0; h < Cfg::kHalves; ++h)
-          if (sub_tile_live<Cfg>(p, int64_t(t_tile * Cfg::kHalves + h) * Cfg::kT))
-            load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, t_tile * Cfg::kHalves + h, s.j);
-      }
       // The operand tiles of every K chunk.
       Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}),
                              make_coord(t_tile, _));
@@ -223,11 +218,12 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
 __device__ __forceinline__ float tf32_remainder(float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); }
 
 // 1xTF32 ("high"): round to nearest in place (truncation by the tensor cores is a bias that costs ~2x the
-// error).
+// error). The tensor cores read the top 19 bits only, so adding half a TF32 unit (bit 12) is the whole
+// rounding: to nearest, ties away from zero, as cvt.rna.tf32 (which also clears the low bits: one more
+// instruction per value, measured 3-10% of the float32 "high" kernel, docs/perf-notes.md v3.3). Inf and
+// NaN are left as they are (an add could turn a NaN into a finite value).
 __device__ __forceinline__ float tf32_round(float f) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
-  return __uint_as_float(r);
+  return fabsf(f) < __int_as_float(0x7f800000) ? __uint_as_float(__float_as_uint(f) + 0x1000u) : f;
 }
 
 // float32: warps 1-3 of warpgroup 0 (96 threads) follow the ring in the tensor cores' order; for
@@ -281,8 +277,9 @@ __device__ __forceinline__ int wait_operands(typename Cfg::Ring& ring, SharedSto
 }
 
 template <class Cfg, class Args>
-__device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
-                                          RoleState<Cfg>& st, int64_t first, int64_t count) {
+__device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& ring, typename Cfg::XPipe& xpipe,
+                                          SharedStorage<Cfg>& ss, RoleState<Cfg>& st, int64_t first, int64_t count,
+                                          bool xt_leader) {
   const FusedParams& p = a.p;
   const int tid = threadIdx.x - 128;  // 0..127 in the warpgroup
   using E = typename Cfg::Element;
@@ -401,6 +398,11 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         if (half > 0 && !sub_tile_live<Cfg>(p, th)) break;
         const int ps = st.pstage;
         named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
+        if constexpr (!Cfg::kXtWarp) {
+          // float32: this scan tile's x tile. The scan releases its x stage before it frees the
+          // hand-off tile, so the acquire does not wait.
+          if (xt_leader) load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, th / Cfg::kT, s.j);
+        }
         CUTE_UNROLL
         for (int v = 0; v < kV; v += 2) {
           const int i = v + kV * half;
@@ -657,9 +659,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   const int warp = cutlass::canonical_warp_idx_sync();
   const int wg = cutlass::canonical_warp_group_idx();
   const int lane_elected = cute::elect_one_sync();
-  const bool producer_lane = (warp == 0) && lane_elected;        // operand ring (and x tiles if !kXtWarp)
-  constexpr int kXtProducerWarp = Cfg::kXtWarp ? 1 : 0;
-  const bool xt_lane = Cfg::kXtWarp && (warp == 1) && lane_elected;  // the scan's x tiles
+  const bool producer_lane = (warp == 0) && lane_elected;        // operand ring
+  // The scan's x tiles: warp 1's elected lane (kXtWarp) or, for float32, the elected thread of the
+  // tensor-core warpgroup's first warp (during its epilogue).
+  constexpr int kXtProducerWarp = Cfg::kXtWarp ? 1 : 4;
+  const bool xt_lane = Cfg::kXtWarp && (warp == 1) && lane_elected;
+  const bool xt_mma = !Cfg::kXtWarp && (warp == 4) && lane_elected;
 
   if (producer_lane) {
     cute::prefetch_tma_descriptor(a.tma_x.get_tma_descriptor());
@@ -679,8 +684,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   Ring ring(ss.ring, rp, Shape<_1, _1, _1>{});
   typename XPipe::Params xp;
   xp.transaction_bytes = Cfg::kXtBytes;
-  xp.role = wg == 0 ? (warp == kXtProducerWarp ? XPipe::ThreadCategory::Producer : XPipe::ThreadCategory::NonParticipant)
-                    : (wg >= 2 ? XPipe::ThreadCategory::Consumer : XPipe::ThreadCategory::NonParticipant);
+  xp.role = (Cfg::kXtWarp ? wg == 0 : wg == 1)
+                ? (warp == kXtProducerWarp ? XPipe::ThreadCategory::Producer : XPipe::ThreadCategory::NonParticipant)
+                : (wg >= 2 ? XPipe::ThreadCategory::Consumer : XPipe::ThreadCategory::NonParticipant);
   xp.is_leader = (warp == kXtProducerWarp) && lane_elected;
   xp.num_consumers = Cfg::kScanThreads;
   XPipe xpipe(ss.xpipe, xp, Shape<_1, _1, _1>{});
@@ -698,6 +704,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     st.ring.phase_ = 1;  // the producer's start state: every stage free
     st.xt = cutlass::make_producer_start_state<XPipe>();
   }
+  if (!Cfg::kXtWarp && wg == 1) st.xt = cutlass::make_producer_start_state<XPipe>();
   const int64_t streams_per_seg = p.batch * (p.dim / Cfg::kDt);
   const int64_t n_phase1 = streams_per_seg * (p.n_segments - 1);
   const int64_t n_all = streams_per_seg * p.n_segments;
@@ -717,7 +724,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     RingState<Cfg::kStages> round_st;  // consumer start state: stage 0, phase 0
     round_st.n_stages = p.ring_stages;
     if (producer_lane) {
-      if (p.n_segments > 1) producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1);
+      if (p.n_segments > 1) producer_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_phase1);
     } else if (xt_lane) {
       if (p.n_segments > 1) xt_phase<Cfg>(a, xpipe, ss, st.xt, blockIdx.x, n_phase1);
     } else if (rounder && p.n_segments > 1) {
@@ -725,7 +732,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     }
     if (p.n_segments > 1) grid_barrier();
     if (producer_lane) {
-      producer_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all);
+      producer_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_all);
       // No producer_tail: it guards cluster peers' arrivals after an early exit (this kernel runs
       // without clusters), and it walks all kStages stages, not the n_stages in use.
     } else if (xt_lane) {
@@ -736,10 +743,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
   } else if (wg == 1) {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kRegMma>();
     if (p.n_segments > 1) {
-      mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_phase1);
+      mma_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_phase1, xt_mma);
       grid_barrier();
     }
-    mma_phase<Cfg>(a, ring, ss, st, blockIdx.x, n_all);
+    mma_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all, xt_mma);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kRegScan>();
     // Both hand-off tiles start empty.
@@ -825,9 +832,9 @@ struct Launcher {
   }
 };
 
-// bf16/fp16 with N = 16: the scan layout by stream length (two scan warpgroups for streams of at most
-// kFusedShortStream tokens; docs/perf-notes.md, v3.2). fused_max_ring_stages() reads the default
-// Config, so both layouts must hold the same ring.
+// bf16/fp16 and float32 TF32 ("high") with N = 16: the scan layout by stream length (two scan
+// warpgroups for streams of at most kFusedShortStream tokens; docs/perf-notes.md, v3.2 and v3.3).
+// fused_max_ring_stages() reads the default Config, so both layouts must hold the same ring.
 template <class E>
 cudaError_t launch_n16(const FusedParams& p, cudaStream_t stream) {
   using Short = Config<E, 16, false, 1>;
