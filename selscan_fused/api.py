@@ -141,9 +141,11 @@ def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
         return impl
     if not x.is_cuda or x.dtype == torch.float64:
         return "reference"
-    # Measured on the H200 (docs/perf-notes.md, fused v2): the fused kernel is as fast or faster than the
-    # unfused path for bfloat16/float16 on every named shape (S1-S5), and for float32 under "highest"
-    # from a few thousand tokens on; under "high"/"medium" the unfused path (cuBLAS TF32) is faster.
+    # Measured on the H200 (docs/perf-notes.md, fused v2-v3.4): the fused kernel is as fast or faster
+    # than the unfused path for bfloat16/float16 on every named shape (S1-S5), and for float32 under
+    # "highest" from a few thousand tokens on. Under "high"/"medium" the unfused path (cuBLAS TF32) is
+    # 1.4-2x faster where the products dominate (S2, S3) and on tiny calls; the fused kernel is ahead
+    # only at D = 256 (S1 6%, S4 even), too narrow a margin for a shape rule.
     if fused_extension_available() and unsupported_reason("fused", x, d_state) is None:
         if x.dtype in (torch.bfloat16, torch.float16):
             return "fused"

@@ -52,6 +52,10 @@ struct Config {
   // TF32 remainders v - tf32(v) of the stage to a remainder ring of the same depth.
   static constexpr bool kRoundWarps = kTF32;
   static constexpr int kRoundThreads = 96;
+  // "high": the tensor-core warpgroup rounds each stage's x tile itself, just before its products
+  // (the rounding warps only the weights): 7 warps share the rounding instead of 3 (docs/perf-notes.md,
+  // v3.3: the rounding warps bounded float32 "high").
+  static constexpr bool kMmaRoundsX = kTF32 && !k3x;
   // Who loads the scan's x tiles (never the ring's producer, which would block on the scan between
   // two tiles' operands: measured, v3): without rounding warps, warp 1's elected lane, as soon as
   // the scan frees a stage; with them (float32), the tensor-core warpgroup's elected thread, right

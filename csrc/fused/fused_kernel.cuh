@@ -49,9 +49,11 @@ namespace fused {
 
 using namespace cute;
 
-// Named barriers (ids 1..4; 0 is __syncthreads): dt/B/C hand-off tile s full / empty.
+// Named barriers (0 is __syncthreads): dt/B/C hand-off tile s full / empty (ids 1..4); the tensor-core
+// warpgroup alone (id 5).
 constexpr int kBarFull = 1;     // + stage (2 stages max)
 constexpr int kBarEmpty = 3;    // + stage
+constexpr int kBarMmaRound = 5; // the tensor-core warpgroup's own x rounding (float32 "high")
 
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -254,13 +256,30 @@ __device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::
           }
         }
       };
-      apply(reinterpret_cast<float*>(ss.x.begin()), reinterpret_cast<float*>(ss.xs.begin()), Cfg::kTM * Cfg::kBK);
+      if constexpr (!Cfg::kMmaRoundsX)
+        apply(reinterpret_cast<float*>(ss.x.begin()), reinterpret_cast<float*>(ss.xs.begin()), Cfg::kTM * Cfg::kBK);
       apply(reinterpret_cast<float*>(ss.w.begin()), reinterpret_cast<float*>(ss.ws.begin()), Cfg::kWStageElems);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy) reads
       ss.rounded[stage].arrive();
       ++st;
     }
   }
+}
+
+// float32 "high" (Config::kMmaRoundsX): the tensor-core warpgroup rounds the stage's x tile in place
+// (the weights are rounded by warps 1-3), then makes the writes visible to its wgmma: a generic-proxy
+// fence per thread and a barrier over the warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void mma_round_x(SharedStorage<Cfg>& ss, int stage, int tid) {
+  constexpr int kElems = Cfg::kTM * Cfg::kBK;
+  float4* x = reinterpret_cast<float4*>(reinterpret_cast<float*>(ss.x.begin()) + stage * kElems);
+  CUTE_UNROLL
+  for (int i = tid; i < kElems / 4; i += Cfg::kMmaThreads) {
+    const float4 v = x[i];
+    x[i] = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+  }
+  cutlass::arch::fence_view_async_shared();
+  named_sync(kBarMmaRound, Cfg::kMmaThreads);
 }
 
 // The tensor cores' wait for a ring stage: the TMA barrier, or for float32 the barrier warps 1-3
@@ -361,6 +380,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           warpgroup_fence_operand(acc);
           for (int k = 0; k < k_tiles; ++k) {
             const int stage = wait_operands<Cfg>(ring, ss, st.ring);
+            if constexpr (Cfg::kMmaRoundsX) mma_round_x<Cfg>(ss, stage, tid);
             warpgroup_fence_operand(acc);
             warpgroup_arrive();
             CUTE_UNROLL
