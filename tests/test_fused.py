@@ -5,8 +5,8 @@ import torch
 
 import selscan_fused
 from selscan_fused import ScanConfig
-from conftest import (DTYPES, TOLERANCE, call, check_against_float64, fresh_seed, make_inputs, matmul_precision,
-                      requires_hopper)
+from conftest import (DTYPES, TOLERANCE, call, check_against_float64, float64_eval, fresh_seed, make_inputs,
+                      matmul_precision, rel_l2, requires_hopper)
 
 pytestmark = [requires_hopper]
 
@@ -95,13 +95,39 @@ def test_fused_both_scan_layouts(L, l_segments, short, mode, poisoned_outputs):
 @pytest.mark.parametrize("mode,N,stages", [("bfloat16", 16, 2), ("bfloat16", 16, 3), ("bfloat16", 16, 5),
                                            ("bfloat16", 32, 4), ("float16", 64, 2), ("float16", 8, 3),
                                            ("float32-highest", 16, 2), ("float32-highest", 64, 2),
-                                           ("float32-high", 16, 4), ("float32-high", 8, 5)])
+                                           ("float32-high", 16, 2), ("float32-high", 16, 4),
+                                           ("float32-high", 8, 5)])
 def test_fused_ring_stages_match_float64(mode, N, stages, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(2, 1000, 256, N, dtype=DTYPES[mode], device="cuda", with_h0=True)
         y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(ring_stages=stages, l_segments=2))
     check_against_float64(inp, y, h, mode)
+
+
+# NaN and Inf in the inputs reach the outputs as in the reference in every dtype mode: no path may
+# turn a NaN into a number (float32 "high" rounds its operands by an integer add, which must leave
+# every NaN alone, also the one with all payload bits set, where the add would carry into the sign).
+@pytest.mark.parametrize("all_ones_nan", [False, True])
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32-highest", "float32-high"])
+def test_fused_nan_and_inf_propagate_as_in_reference(mode, all_ones_nan, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(2, 300, 128, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        if all_ones_nan:
+            f32 = inp["x"].dtype == torch.float32
+            inp["x"].view(torch.int32 if f32 else torch.int16)[1, 20, 5] = 0x7fffffff if f32 else 0x7fff
+        else:
+            inp["x"][1, 20, 5] = float("nan")
+        assert torch.isnan(inp["x"][1, 20, 5])
+        inp["D"][3] = float("inf")
+        y, h = call(inp, "fused", return_final_state=True)
+    y64, h64 = float64_eval(inp)
+    for out, ref in ((y, y64), (h, h64)):
+        assert torch.equal(torch.isnan(out), torch.isnan(ref))  # also: every element written
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        finite = torch.isfinite(ref)
+        assert rel_l2(out[finite], ref[finite]) < TOLERANCE[mode]
 
 
 def test_fused_ring_stages_errors():
