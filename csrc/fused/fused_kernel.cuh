@@ -431,8 +431,8 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           if ((v / 4) * 8 < kDt) {  // delta columns
             const bool valid = th + r < p.seqlen;
             const float2 bc = bias2[v / 4];
-            const float v0 = softplus(acc(i) + bc.x);
-            const float v1 = softplus(acc(i + 1) + bc.y);
+            const float v0 = softplus_noselect(acc(i) + bc.x);
+            const float v1 = softplus_noselect(acc(i + 1) + bc.y);
             *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
           } else if ((v / 4) * 8 < kDt + kN) {
             *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
