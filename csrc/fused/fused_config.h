@@ -48,8 +48,9 @@ struct Config {
   static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
   static_assert(kStages >= 2, "shared memory too small for a 2-deep ring");
   // float32: warps 1-3 of the producer warpgroup prepare each ring stage for the tensor cores, off
-  // their critical path: "high" rounds it to TF32 in place (round to nearest); "highest" writes the
-  // TF32 remainders v - tf32(v) of the stage to a remainder ring of the same depth.
+  // their critical path: "high" rounds it to TF32 in place (round to nearest; its x tile is rounded
+  // by the tensor-core warpgroup, kMmaRoundsX); "highest" writes the TF32 remainders v - tf32(v) of
+  // the stage to a remainder ring of the same depth.
   static constexpr bool kRoundWarps = kTF32;
   static constexpr int kRoundThreads = 96;
   // "high": the tensor-core warpgroup rounds each stage's x tile itself, just before its products

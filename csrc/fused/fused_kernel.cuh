@@ -9,8 +9,9 @@
 //                tile, x[t0:t0+kTM, k:k+kBK], W_delta[d0:d0+64, k:k+kBK], W_B[:, k:k+kBK] and
 //                W_C[:, k:k+kBK] into a kStages ring (the three weight boxes stacked into one tile).
 //                Warp 1's elected lane loads the scan's x tiles (64 x kDt) as the scan frees them
-//                (float32: warpgroup 1's elected thread does, and warps 1-3 round each stage to TF32
-//                ("high") or write its TF32 remainders to a remainder ring ("highest")).
+//                (float32: warpgroup 1's elected thread does, and warps 1-3 round each stage's
+//                weights to TF32 ("high"; warpgroup 1 rounds the x tile) or write the stage's TF32
+//                remainders to a remainder ring ("highest")).
 //   warpgroup 1  tensor cores: per K step, x (kTM x kBK) against the stacked weight tile
 //                [W_delta slice; W_B; W_C] (kDt + 2N rows) as kTM / 64 wgmma, into one float32
 //                accumulator (3xTF32 for float32 "highest"); then dt = softplus(acc + bias) (0 past
@@ -229,8 +230,9 @@ __device__ __forceinline__ float tf32_round(float f) {
 }
 
 // float32: warps 1-3 of warpgroup 0 (96 threads) follow the ring in the tensor cores' order; for
-// every stage they either round it to TF32 in place ("high") or write its TF32 remainders to the
-// remainder ring ("highest"), then arrive on rounded[stage]; the tensor-core warpgroup waits on that
+// every stage they either round its weights to TF32 in place ("high": the tensor-core warpgroup
+// rounds the x tile, mma_round_x) or write the stage's TF32 remainders to the remainder ring
+// ("highest"), then arrive on rounded[stage]; the tensor-core warpgroup waits on that
 // instead of the TMA barrier. The stage is released by the tensor cores as before, so a stage is
 // prepared once per fill.
 template <class Cfg>
