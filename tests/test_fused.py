@@ -47,6 +47,21 @@ def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
+# More (segment, sequence, channel tile) streams than SMs: CTAs run several streams in each phase of
+# the L split, and their role loops must agree on every stream (segments of 2, 2 and 1 tensor-core
+# tiles; float32 with the rounding warps as a fourth role).
+@pytest.mark.parametrize("mode", ["bfloat16", "float32-high", "float32-highest"])
+def test_fused_split_more_streams_than_sms(mode, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(3, 520, 2048, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
+        n_seg, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 3)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert n_seg == 3 and 3 * (2048 // 64) * (n_seg - 1) > sms
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=3))
+    check_against_float64(inp, y, h, mode)
+
+
 # Lengths around the 64-token scan tile and the 128-token tensor-core tile (bf16/fp16, N <= 32): the
 # last tile's second half empty (skipped by every role), partly filled or full; with L split, the last
 # segment is such a tile too.
