@@ -55,7 +55,7 @@ def test_fused_split_more_streams_than_sms(mode, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(3, 520, 2048, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        n_seg, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 3)
+        n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 3)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert n_seg == 3 and 3 * (2048 // 64) * (n_seg - 1) > sms
         y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=3))

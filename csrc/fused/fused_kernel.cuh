@@ -285,7 +285,9 @@ __device__ __forceinline__ void mma_round_x(SharedStorage<Cfg>& ss, int stage, i
 }
 
 // The tensor cores' wait for a ring stage: the TMA barrier, or for float32 the barrier warps 1-3
-// arrive on once the stage is rounded / its remainders written. Returns the stage.
+// arrive on once the stage is rounded / its remainders written. Returns the stage, broadcast from
+// lane 0: ptxas then knows it is warp-uniform and builds the wgmma descriptors in uniform registers
+// (v3.6: 91 -> 67 instructions per K chunk, bf16 N = 16).
 template <class Cfg>
 __device__ __forceinline__ int wait_operands(typename Cfg::Ring& ring, SharedStorage<Cfg>& ss,
                                              const cutlass::PipelineState<Cfg::kStages>& st) {
@@ -294,7 +296,7 @@ __device__ __forceinline__ int wait_operands(typename Cfg::Ring& ring, SharedSto
   } else {
     ring.consumer_wait(st);
   }
-  return st.index();
+  return __shfl_sync(0xffffffffu, st.index(), 0);
 }
 
 template <class Cfg, class Args>
@@ -353,7 +355,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
         clear(acc);
         for (int k = 0; k < k_tiles; ++k) {
-          const int stage = __shfl_sync(0xffffffffu, wait_operands<Cfg>(ring, ss, st.ring), 0);  // uniform
+          const int stage = wait_operands<Cfg>(ring, ss, st.ring);
           Tensor tmp = partition_fragment_C(mma, TileShape{});
           mma.accumulate_ = GMMA::ScaleOut::Zero;
           warpgroup_fence_operand(tmp);
@@ -381,9 +383,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           mma.accumulate_ = GMMA::ScaleOut::Zero;
           warpgroup_fence_operand(acc);
           for (int k = 0; k < k_tiles; ++k) {
-            // Broadcast from lane 0: ptxas then knows the stage is warp-uniform and builds the wgmma
-            // descriptors in uniform registers (91 -> 67 instructions per K chunk, bf16 N = 16).
-            const int stage = __shfl_sync(0xffffffffu, wait_operands<Cfg>(ring, ss, st.ring), 0);
+            const int stage = wait_operands<Cfg>(ring, ss, st.ring);
             if constexpr (Cfg::kMmaRoundsX) mma_round_x<Cfg>(ss, stage, tid);
             warpgroup_fence_operand(acc);
             warpgroup_arrive();
