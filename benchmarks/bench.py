@@ -68,7 +68,7 @@ def make(shape: str, dtype: str):
     return make_inputs(b, L, D, N, TORCH_DTYPE[dtype], "cuda")
 
 
-def paths(inp, impls, segments, rings=(0,)):
+def paths(inp, impls, segments, rings=(0,), tiles=(0,)):
     """(name, callable) for every path asked for."""
     out = []
     W = torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]])
@@ -89,14 +89,19 @@ def paths(inp, impls, segments, rings=(0,)):
             and unsupported_reason("fused", inp["x"], inp["A_log"].shape[1]) is None):
         for seg in segments:
             tag = "" if seg == 0 else f"[seg={seg}]"
-            # fused-poly: the ablation switch ScanConfig(exp_poly=True); [ring=k]: ScanConfig(ring_stages=k).
+            # fused-poly: the ablation switch ScanConfig(exp_poly=True); [ring=k]: ScanConfig(ring_stages=k);
+            # [tile=c]: ScanConfig(channel_tile=c) (skipped where that layout does not exist).
+            narrow = inp["x"].dtype in (torch.bfloat16, torch.float16) and inp["A_log"].shape[1] == 16
             for name, poly in (("fused", False), ("fused-poly", True)):
                 if name in impls:
                     for ring in rings:
-                        rtag = "" if ring == 0 else f"[ring={ring}]"
-                        cfg = ScanConfig(l_segments=seg, exp_poly=poly, ring_stages=ring)
-                        out.append((f"{name}{tag}{rtag}", lambda cfg=cfg: selscan_fused.selective_scan(
-                            *args, impl="fused", config=cfg)))
+                        for tile in tiles:
+                            if tile == 16 and not narrow:
+                                continue
+                            rtag = ("" if ring == 0 else f"[ring={ring}]") + ("" if tile == 0 else f"[tile={tile}]")
+                            cfg = ScanConfig(l_segments=seg, exp_poly=poly, ring_stages=ring, channel_tile=tile)
+                            out.append((f"{name}{tag}{rtag}", lambda cfg=cfg: selscan_fused.selective_scan(
+                                *args, impl="fused", config=cfg)))
     return out
 
 
@@ -109,12 +114,15 @@ def main():
     ap.add_argument("--segments", default="0", help="L-split values to time (0 = automatic)")
     ap.add_argument("--ring-stages", default="0",
                     help="fused operand-ring depths to time (ScanConfig(ring_stages=...); 0 = all that fit)")
+    ap.add_argument("--channel-tiles", default="0",
+                    help="fused channel tiles to time (ScanConfig(channel_tile=...); 0 = automatic, 16, 64)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     impls = set(a.impls.split(","))
     segments = [int(s) for s in a.segments.split(",")]
     rings = [int(s) for s in a.ring_stages.split(",")]
+    tiles = [int(s) for s in a.channel_tiles.split(",")]
     rows = []
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  selscan_fused {selscan_fused.__version__}")
     hdr = (f"{'shape':6} {'dtype':9} {'path':28} {'gpu ms':>8} {'eager ms':>8} {'Texp/s':>7} {'GB/s':>6} "
@@ -128,7 +136,7 @@ def main():
             f = floors(shape, dtype)
             largest = max(f.exp_ms, f.io_ms, f.gemm_ms)
             mamba_key = (shape, dtype)
-            for name, fn in paths(inp, impls, segments, rings):
+            for name, fn in paths(inp, impls, segments, rings, tiles):
                 ms = time_ms(fn, a.reps, graph=True)
                 eager = time_ms(fn, a.reps)
                 exps = b * L * D * N / (ms * 1e-3) / 1e12

@@ -47,7 +47,7 @@ if fused_extension_available():
 
     @torch.library.register_fake("selscan_fused::fused_fwd")
     def _fused_fwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,
-                        exp_poly=False, ring_stages=0):
+                        exp_poly=False, ring_stages=0, channel_tile=0):
         return _fake_outputs(x, A_log, return_final_state)
 
     torch.library.register_autograd("selscan_fused::fused_fwd", _no_backward, setup_context=_no_setup)

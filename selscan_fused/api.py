@@ -51,14 +51,25 @@ class ScanConfig:
         float32 3xTF32 ("highest") 3 / 3 / 3 / 2; a larger value is an error that names the maximum.
         0 = all that fit, the measured default (docs/perf-notes.md, "Ablation switch: operand-ring
         depth": fastest or within noise on S1-S5 in every dtype; 2 stages cost up to 1.7x on S3).
+        The narrow layout (channel_tile 16) holds 7 stages and uses them all at 0; a value given
+        explicitly is checked against the limits above.
+    channel_tile: impl='fused' only: channels per CTA (one stream of tokens each). 64: the layouts of
+        v3 (one or two scan warpgroups, 4 threads per channel). 16 (bfloat16/float16 with N = 16 only;
+        otherwise an error): the narrow layout, 8 threads per channel with 2 states each, so that a
+        batch of few sequences has four times the streams and needs no L split (whose second pass
+        recomputes the exponentials of every segment but the last). 0 = chosen per call by a cost
+        model of the busiest CTA's exponentials (csrc/fused/fused_api.cu, fused_plan): the narrow
+        layout for S1-like shapes (batch x D / 64 below the SM count, batch x D / 16 near it) and S5,
+        64 elsewhere (docs/perf-notes.md, v3.7).
     """
 
     l_segments: int = 0
     exp_poly: bool = False
     ring_stages: int = 0
+    channel_tile: int = 0
 
     def __post_init__(self):
-        for name in ("l_segments", "ring_stages"):
+        for name in ("l_segments", "ring_stages", "channel_tile"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"selscan_fused: ScanConfig({name}={v!r}) must be an int >= 0")
@@ -67,6 +78,9 @@ class ScanConfig:
                              "(0 = all that fit)")
         if not isinstance(self.exp_poly, bool):
             raise ValueError(f"selscan_fused: ScanConfig(exp_poly={self.exp_poly!r}) must be a bool")
+        if self.channel_tile not in (0, 16, 64):
+            raise ValueError(f"selscan_fused: ScanConfig(channel_tile={self.channel_tile!r}) must be 0 "
+                             "(automatic), 16 or 64")
 
 
 DEFAULT_CONFIG = ScanConfig()
@@ -216,7 +230,8 @@ def selective_scan(
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
         fused_only = (["exp_poly=True"] if cfg.exp_poly else []) + \
-                     ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else [])
+                     ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
+                     ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else [])
         if fused_only and chosen != "fused":
             raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
                              f"this call runs impl={chosen!r}")
@@ -224,7 +239,8 @@ def selective_scan(
         if chosen == "fused":
             y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                      bool(return_final_state), int(cfg.l_segments),
-                                                     bool(cfg.exp_poly), int(cfg.ring_stages))
+                                                     bool(cfg.exp_poly), int(cfg.ring_stages),
+                                                     int(cfg.channel_tile))
         else:
             y, h = torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                        bool(return_final_state), int(cfg.l_segments))

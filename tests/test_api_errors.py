@@ -65,6 +65,8 @@ def test_auto_on_cpu_is_reference():
     (dict(ring_stages=2.0), r"ring_stages=2.0\) must be an int >= 0"),
     (dict(l_segments=True), r"l_segments=True\) must be an int >= 0"),
     (dict(exp_poly=1), r"exp_poly=1\) must be a bool"),
+    (dict(channel_tile=32), r"channel_tile=32\) must be 0 \(automatic\), 16 or 64"),
+    (dict(channel_tile=-16), r"channel_tile=-16\) must be an int >= 0"),
 ])
 def test_scan_config_rejects_bad_switches(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -41,7 +41,7 @@ def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(2, 3001, 128, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        n_seg, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
+        n_seg, seg_len, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
         assert (n_seg == 1) == (l_segments == 1) and n_seg <= l_segments and n_seg * seg_len >= 3001
         y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
     check_against_float64(inp, y, h, mode)
@@ -49,16 +49,18 @@ def test_fused_split_along_L(l_segments, mode, poisoned_outputs):
 
 # More (segment, sequence, channel tile) streams than SMs: CTAs run several streams in each phase of
 # the L split, and their role loops must agree on every stream (segments of 2, 2 and 1 tensor-core
-# tiles; float32 with the rounding warps as a fourth role).
-@pytest.mark.parametrize("mode", ["bfloat16", "float32-high", "float32-highest"])
-def test_fused_split_more_streams_than_sms(mode, poisoned_outputs):
+# tiles; float32 with the rounding warps as a fourth role; bf16 in both channel tiles).
+@pytest.mark.parametrize("mode,channel_tile", [("bfloat16", 64), ("bfloat16", 16), ("float32-high", 0),
+                                               ("float32-highest", 0)])
+def test_fused_split_more_streams_than_sms(mode, channel_tile, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(3, 520, 2048, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 3)
+        n_seg, _, tile = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 3, channel_tile)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert n_seg == 3 and 3 * (2048 // 64) * (n_seg - 1) > sms
-        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=3))
+        assert n_seg == 3 and 3 * (2048 // tile) * (n_seg - 1) > sms
+        assert tile == (channel_tile or 64)
+        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=3, channel_tile=channel_tile))
     check_against_float64(inp, y, h, mode)
 
 
@@ -89,9 +91,9 @@ def test_fused_exp_poly_matches_float64(shape, mode, poisoned_outputs):
     check_against_float64(inp, y, h, mode)
 
 
-# bf16/fp16 and float32 "high" with N = 16 have two scan layouts, chosen by stream length
-# (kFusedShortStream = 1024 tokens per L segment): two scan warpgroups for short streams, one
-# otherwise. Both sides of the threshold, with and without the L split.
+# bf16/fp16 and float32 "high" with N = 16 have two scan layouts of 64 channels per CTA, chosen by
+# stream length (kFusedShortStream = 1024 tokens per L segment): two scan warpgroups for short streams,
+# one otherwise. Both sides of the threshold, with and without the L split.
 @pytest.mark.parametrize("L,l_segments,short", [(1000, 1, True), (1100, 1, False), (2000, 2, True),
                                                 (4100, 2, False)])
 @pytest.mark.parametrize("mode", ["bfloat16", "float16", "float32-high"])
@@ -99,10 +101,57 @@ def test_fused_both_scan_layouts(L, l_segments, short, mode, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(2, L, 128, 16, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        _, seg_len = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
-        assert (seg_len <= 1024) == short
-        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+        _, seg_len, tile = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments, 64)
+        assert (seg_len <= 1024) == short and tile == 64
+        y, h = call(inp, "fused", return_final_state=True,
+                    config=ScanConfig(l_segments=l_segments, channel_tile=64))
     check_against_float64(inp, y, h, mode)
+
+
+# The narrow layout (ScanConfig(channel_tile=16): 16 channels per CTA, 8 scan threads per channel):
+# odd L and L around the tiles, batch 1, D from 64, with and without h0 and the L split (phase 1's
+# end states, 2 and 3 segments), bf16 and fp16.
+@pytest.mark.parametrize("shape,l_segments", [((1, 1, 64, 16), 1), ((3, 7, 128, 16), 1), ((2, 63, 64, 16), 1),
+                                              ((2, 129, 192, 16), 2), ((1, 1000, 256, 16), 1),
+                                              ((3, 1000, 1024, 16), 3), ((2, 4097, 64, 16), 0),
+                                              ((8, 2048, 256, 16), 0), ((1, 3001, 512, 16), 2)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("mode", ["bfloat16", "float16"])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["h0=0", "h0"])
+def test_fused_narrow_layout_matches_float64(shape, l_segments, mode, with_h0, poisoned_outputs):
+    fresh_seed()
+    with matmul_precision(mode):
+        inp = make_inputs(*shape, dtype=DTYPES[mode], device="cuda", with_h0=with_h0)
+        n_seg, _, tile = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments, 16)
+        assert tile == 16 and (l_segments == 0 or n_seg == min(l_segments, (shape[1] + 127) // 128))
+        y, h = call(inp, "fused", return_final_state=True,
+                    config=ScanConfig(l_segments=l_segments, channel_tile=16))
+    check_against_float64(inp, y, h, mode)
+
+
+def test_fused_channel_tile_choice_and_errors():
+    """channel_tile=0 picks the narrow layout where it avoids the L split's recomputation (S1, S5) and
+    64 channels where those already fill the GPU or the split stays (S2, S4); 16 is an error where no
+    narrow kernel exists."""
+    plan = torch.ops.selscan_fused.fused_plan
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = lambda b, L, D, dt=torch.bfloat16: torch.empty(b, L, D, dtype=dt, device="cuda")
+    if sms >= 128:  # H100 SXM / H200
+        assert plan(x(8, 2048, 256), 16, 0) == [1, 2048, 16]      # S1
+        assert plan(x(1, 64, 1024), 16, 0)[2] == 16               # S5
+        assert plan(x(8, 4096, 1024), 16, 0) == [1, 4096, 64]     # S2
+        assert plan(x(1, 65536, 256), 16, 0)[2] == 64             # S4
+    assert plan(x(8, 2048, 256, torch.float32), 16, 0)[2] == 64  # no narrow layout for float32
+    assert plan(x(8, 2048, 256), 32, 0)[2] == 64                 # nor for N != 16
+    assert plan(x(8, 2048, 256), 16, 0, 64)[2] == 64
+    inp = make_inputs(1, 9, 64, 32, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"channel_tile=16\) exists for bfloat16/float16 with N = 16 only"):
+        call(inp, "fused", config=ScanConfig(channel_tile=16))
+    with pytest.raises(ValueError, match=r"channel_tile=32.*must be 0 \(automatic\), 16 or 64"):
+        ScanConfig(channel_tile=32)
+    with pytest.raises(ValueError, match="channel_tile=16.*impl='fused' only"):
+        call(make_inputs(1, 9, 64, 16, dtype=torch.bfloat16, device="cuda"), "unfused",
+             config=ScanConfig(channel_tile=16))
 
 
 # The ablation switch ScanConfig(ring_stages=...): depths from 2 to the deepest that fits, with L split
@@ -174,7 +223,7 @@ def test_fused_long_sequence_splits_along_L(poisoned_outputs):
     """S4-like: one sequence of 65,537 tokens; the state travels along L inside the launch."""
     fresh_seed()
     inp = make_inputs(1, 65537, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
-    n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 0)
+    n_seg, _, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, 0)
     assert n_seg >= 16
     y, h = call(inp, "fused", return_final_state=True)
     check_against_float64(inp, y, h, "bfloat16")
@@ -196,7 +245,7 @@ def test_one_kernel_and_no_intermediates(L, l_segments):
     names = [e.name for e in kernels]
     print(names)
     assert len(kernels) == 1 and "fused_kernel" in names[0], names
-    n_seg, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
+    n_seg, _, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
     allocs = stats1["allocation.all.allocated"] - stats0["allocation.all.allocated"]
     nbytes = stats1["allocated_bytes.all.allocated"] - stats0["allocated_bytes.all.allocated"]
     ws = (n_seg - 1) * 2 * 256 * 17 * 4
@@ -205,10 +254,11 @@ def test_one_kernel_and_no_intermediates(L, l_segments):
 
 
 @pytest.mark.parametrize("l_segments", [1, 8])
-def test_fused_deterministic(l_segments):
+@pytest.mark.parametrize("channel_tile", [16, 64])
+def test_fused_deterministic(l_segments, channel_tile):
     fresh_seed()
     inp = make_inputs(2, 2500, 512, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
-    cfg = ScanConfig(l_segments=l_segments)
+    cfg = ScanConfig(l_segments=l_segments, channel_tile=channel_tile)
     y1, h1 = call(inp, "fused", return_final_state=True, config=cfg)
     y2, h2 = call(inp, "fused", return_final_state=True, config=cfg)
     assert torch.equal(y1, y2) and torch.equal(h1, h2)

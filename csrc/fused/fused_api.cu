@@ -20,23 +20,51 @@ bool fused_available(int device) {
   return major == 9 && minor == 0;  // the kernel is built for sm_90a only
 }
 
-cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out) {
+bool fused_has_narrow_layout(DType dtype, int64_t dstate) {
+  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && dstate == 16;
+}
+
+cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t requested_channel_tile, int device,
+                       FusedLaunchInfo* out) {
   int sms = 0;
   SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const bool narrow_ok = fused_has_narrow_layout(p.dtype, p.dstate);
+  if (requested_channel_tile != 0 && requested_channel_tile != 64 && !(requested_channel_tile == 16 && narrow_ok))
+    return cudaErrorInvalidValue;
   const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
+  const int64_t batch = std::max<int64_t>(p.batch, 1);
   const int64_t max_segments = (seqlen + kFusedTokenTile - 1) / kFusedTokenTile;
-  const int64_t streams = std::max<int64_t>(p.batch, 1) * (p.dim / kFusedChannelTile);
-  int64_t n = 1;
-  if (requested_segments > 0) {
-    n = requested_segments;
-  } else if (streams < sms) {
-    // One persistent CTA per SM: cut L so that the streams come close to one per SM, never more
-    // (a second stream on an SM would double its time); segments of at least 512 tokens.
-    n = std::max<int64_t>(1, sms / streams);
-    n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / 512));
+  // The L split for a channel tile, and its cost: the exponentials of the busiest CTA (each phase's
+  // streams spread over one persistent CTA per SM), weighted by the scan's measured cost per
+  // exponential in that layout (kFusedNarrowCost; the 64-channel layouts: 1 for long streams, 1.14
+  // for short ones, docs/perf-notes.md v3.2).
+  auto plan = [&](int64_t tile, FusedLaunchInfo* info) {
+    const int64_t streams = batch * (p.dim / tile);
+    int64_t n = 1;
+    if (requested_segments > 0) {
+      n = requested_segments;
+    } else if (streams < sms) {
+      // One persistent CTA per SM: cut L so that the streams come close to one per SM, never more
+      // (a second stream on an SM would double its time); segments of at least 512 tokens.
+      n = std::max<int64_t>(1, sms / streams);
+      n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / 512));
+    }
+    split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), kFusedTokenTile, &info->n_segments,
+                  &info->seg_len);
+    info->channel_tile = tile;
+    const int64_t waves = (streams * info->n_segments + sms - 1) / sms +
+                          (streams * (info->n_segments - 1) + sms - 1) / sms;
+    const double per_exp = tile == 16 ? kFusedNarrowCost : (info->seg_len <= kFusedShortStream ? 1.14 : 1.0);
+    return double(waves) * double(info->seg_len) * double(tile) * per_exp;
+  };
+  FusedLaunchInfo wide, narrow;
+  const double cost_wide = plan(64, &wide);
+  if (requested_channel_tile == 64 || !narrow_ok) {
+    *out = wide;
+  } else {
+    const double cost_narrow = plan(16, &narrow);
+    *out = (requested_channel_tile == 16 || cost_narrow < cost_wide) ? narrow : wide;
   }
-  split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), kFusedTokenTile, &out->n_segments,
-                &out->seg_len);
   return cudaSuccess;
 }
 

@@ -21,13 +21,24 @@ inline bool fused_supports_dstate(int64_t n) { return n == 8 || n == 16 || n == 
 // Whether this build has the fused kernel and the current device can run it (sm_90: H100/H200).
 bool fused_available(int device);
 
+// The narrow layout (16 channels per CTA): its cost per exponential relative to the 64-channel layout's
+// on long streams, as fused_plan weighs it. Measured on the H200 (bf16, docs/perf-notes.md v3.7): 2.0
+// at S1 (0.063 ms narrow against 0.070 with 64 channels and L split in 4), 1.8 at S4, 2.1 at S2.
+constexpr double kFusedNarrowCost = 2.0;
+
+// Whether the narrow layout exists for this dtype / N (bf16/fp16 with N = 16).
+bool fused_has_narrow_layout(DType dtype, int64_t dstate);
+
 struct FusedLaunchInfo {
-  int64_t n_segments;
-  int64_t seg_len;
+  int64_t n_segments = 1;
+  int64_t seg_len = 0;
+  int64_t channel_tile = 64;
 };
 
-// L split for a problem (requested_segments <= 0: automatic).
-cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
+// L split and channel tile for a problem (requested_segments <= 0, requested_channel_tile == 0:
+// automatic; a channel tile of 16 needs fused_has_narrow_layout, else cudaErrorInvalidValue).
+cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t requested_channel_tile, int device,
+                       FusedLaunchInfo* out);
 
 // The deepest operand ring that fits in shared memory for this dtype / N / float32 mode (the upper
 // bound of FusedParams::ring_stages); 0 if the combination has no kernel.

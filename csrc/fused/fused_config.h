@@ -11,7 +11,7 @@ namespace fused {
 
 using namespace cute;
 
-template <class ElementIn_, int kN_, bool k3xTF32_, int kCh_ = 2>
+template <class ElementIn_, int kN_, bool k3xTF32_, int kCh_ = 2, int kDt_ = 64>
 struct Config {
   using ElementIn = ElementIn_;                                   // bfloat16_t, half_t or float
   static constexpr bool kTF32 = cute::is_same_v<ElementIn, float>;
@@ -29,7 +29,11 @@ struct Config {
   // whose 3xTF32 products keep a second accumulator).
   static constexpr int kTM = (kN >= 64 || k3x || (kTF32 && kN >= 32)) ? 64 : 128;
   static constexpr int kHalves = kTM / kT;               // scan tiles per tensor-core tile
-  static constexpr int kDt = 64;                          // channels per CTA
+  // Channels per CTA: 64, or 16 (the narrow layout, bf16/fp16 with N = 16: four times the streams, so
+  // that few long sequences fill the GPU without an L split and its second pass over the exponentials;
+  // fused_plan chooses, docs/perf-notes.md v3.7).
+  static constexpr int kDt = kDt_;
+  static_assert(kDt == 64 || kDt == 16, "channel tile of 64 or 16");
   static constexpr int kBK = 128 / int(sizeof(Element));  // K per stage: one 128-byte swizzle row
   static constexpr int kPStages =                               // dt/B/C tiles between MMA and scan
       ((k3x && kN >= 32) || (kTF32 && kN == 64)) ? 1 : 2;
@@ -37,8 +41,15 @@ struct Config {
   // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages (docs/perf-
   // notes.md, v2: 7 stages instead of 4 measured 5% faster on S3 and 12% on S5, the same on S2).
   // Hand-off tiles (float32), rows padded so that the accumulator's float2 stores hit every bank once.
-  static constexpr int kLdDt = kDt + 8;
+  // The narrow layout (kDt = 16) hands over (dt, dt * x) pairs, and B and C by token pairs
+  // ([t / 2][n / 2][t % 2][n % 2], kLdBP floats per token pair): its scan threads (8 per channel) then
+  // load one 8-byte value per token instead of dt and x and their product, and B or C of two tokens
+  // with one 16-byte load (docs/perf-notes.md, v3.7).
+  static constexpr bool kNarrow = kDt_ == 16;
+  static constexpr int kLdDt = kNarrow ? 2 * kDt_ + 8 : kDt_ + 8;
   static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
+  static constexpr int kLdBP = 2 * kN + 8;
+  static_assert(!kNarrow || (kT / 2) * kLdBP <= kT * kLdN, "token-pair B/C tiles fit the hand-off arrays");
   static constexpr int kNW = kDt + 2 * kN;  // rows of the stacked weight tile (below)
   static constexpr uint32_t kRingBytes = uint32_t((kTM + kNW) * kBK * sizeof(Element));  // one TMA fill
   static constexpr int kStageBytes = int(kRingBytes) * (k3x ? 2 : 1);  // with the remainder ring
@@ -69,9 +80,12 @@ struct Config {
   // thread, two scan warpgroups (two scan warps per scheduler): more instructions per exponential
   // but shorter latency per tile, used for short streams (FusedParams::seg_len <= kFusedShortStream;
   // docs/perf-notes.md, v3.2).
+  // kDt = 16 (narrow): one channel per thread, 8 threads per channel with 2 states each, one scan
+  // warpgroup; y reduce-scattered over 8 threads (groups of 8 tokens).
   static constexpr int kCh = kCh_;               // channels per scan thread
   static_assert(kCh == 1 || kCh == 2, "one or two channels per scan thread");
-  static constexpr int kP = 4;                   // scan threads per channel
+  static_assert(kDt == 64 || (kCh == 1 && kN == 16), "the narrow layout: one channel per thread, N = 16");
+  static constexpr int kP = kDt == 16 ? 8 : 4;   // scan threads per channel (= tokens per scan group)
   static constexpr int kNS = kN / kP;            // states per scan thread and channel
   static constexpr int kQ = kNS < 4 ? kNS : 4;   // states per inner step (one 8/16-byte load)
   static constexpr int kMmaThreads = 128;

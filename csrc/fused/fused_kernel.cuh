@@ -1,6 +1,6 @@
 // The fused kernel: one launch from x to y (sm_90a: TMA, wgmma, mbarrier pipelines).
 //
-// Work: a stream = (L-segment, sequence b, channel tile of kDt = 64 channels). A persistent CTA
+// Work: a stream = (L-segment, sequence b, channel tile of kDt = 64 or 16 channels). A persistent CTA
 // (one per SM) walks its streams' token tiles in order; the state h stays in registers. The tensor
 // cores work on tiles of kTM tokens (128; 64 for float32 and N = 64), the scan on tiles of kT = 64.
 //
@@ -24,6 +24,10 @@
 //                independent exp2, the chains through h, per channel the partial sums of y
 //                reduce-scattered over the 4 threads of the channel (3 shuffles), and
 //                y = sum + D*x stored straight to global memory.
+//                Narrow layout (Config kDt = 16, bf16/fp16 with N = 16; fused_plan chooses it where it
+//                avoids the L split, e.g. S1): 8 threads per channel with 2 states each; the epilogue
+//                hands over (dt, dt * x) pairs (it reads the scan's x tile) and B, C by token pairs;
+//                y is reduce-scattered over the 8 threads of a channel per 8 tokens.
 // Nothing of shape (B,L,D) or (B,L,D,N) other than x and y touches device memory.
 //
 // L split (few streams, e.g. one long sequence): the same two-phase scheme as the unfused scan,
@@ -61,6 +65,35 @@ __device__ __forceinline__ void named_sync(int id, int n) {
 }
 __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+// kCh (1 or 2) adjacent values of the x tile / of y as float (one 2- to 8-byte access).
+template <int kCh, class T>
+__device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    v[0] = float(p[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    v[0] = f.x; v[1] = f.y;
+  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(p);  // bf16 -> float: the high half of a float
+    v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
+    v[0] = f.x; v[1] = f.y;
+  }
+}
+template <int kCh, class T>
+__device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    p[0] = T(v[0]);
+  } else if constexpr (cute::is_same_v<T, float>) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
+  } else {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(v[0], v[1]);
+  }
 }
 
 // Streams: (segment, sequence, channel tile), segment-major.
@@ -427,6 +460,14 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           // hand-off tile, so the acquire does not wait.
           if (xt_leader) load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, th / Cfg::kT, s.j);
         }
+        // Narrow layout: dt * x is formed here, from this scan tile's x tile (loaded by warp 1 for
+        // the scan, which releases it only after it has read this hand-off tile).
+        using TE = typename Cfg::TmaElement;
+        const TE* xs = nullptr;
+        if constexpr (Cfg::kNarrow) {
+          xpipe.consumer_wait(st.xt);
+          xs = reinterpret_cast<const TE*>(ss.xt.begin()) + st.xt.index() * (Cfg::kT * Cfg::kDt);
+        }
         CUTE_UNROLL
         for (int v = 0; v < kV; v += 2) {
           const int i = v + kV * half;
@@ -437,7 +478,19 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
             const float2 bc = bias2[v / 4];
             const float v0 = softplus_noselect(acc(i) + bc.x);
             const float v1 = softplus_noselect(acc(i + 1) + bc.y);
-            *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
+            if constexpr (Cfg::kNarrow) {
+              const float d0 = valid ? v0 : 0.f, d1 = valid ? v1 : 0.f;
+              float xv[2];
+              load_vals<2>(xs + r * kDt + c, xv);
+              *reinterpret_cast<float4*>(&ss.dt[ps][r][2 * c]) = make_float4(d0, d0 * xv[0], d1, d1 * xv[1]);
+            } else {
+              *reinterpret_cast<float2*>(&ss.dt[ps][r][c]) = make_float2(valid ? v0 : 0.f, valid ? v1 : 0.f);
+            }
+          } else if constexpr (Cfg::kNarrow) {  // B or C by token pairs (Config::kLdBP)
+            const int n = (v / 4) * 8 < kDt + kN ? c - kDt : c - kDt - kN;
+            float* bc = (v / 4) * 8 < kDt + kN ? &ss.B[ps][0][0] : &ss.C[ps][0][0];
+            *reinterpret_cast<float2*>(bc + (r / 2) * Cfg::kLdBP + (n / 2) * 4 + (r % 2) * 2) =
+                make_float2(acc(i), acc(i + 1));
           } else if ((v / 4) * 8 < kDt + kN) {
             *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
           } else {
@@ -445,6 +498,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           }
         }
         named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+        if constexpr (Cfg::kNarrow) ++st.xt;
         st.pstage = (ps + 1) % Cfg::kPStages;
       }
     }
@@ -472,35 +526,6 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
 }
 
-// kCh (1 or 2) adjacent values of the x tile / of y as float (one 2- to 8-byte access).
-template <int kCh, class T>
-__device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
-  if constexpr (kCh == 1) {
-    v[0] = float(p[0]);
-  } else if constexpr (cute::is_same_v<T, float>) {
-    const float2 f = *reinterpret_cast<const float2*>(p);
-    v[0] = f.x; v[1] = f.y;
-  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
-    const uint32_t u = *reinterpret_cast<const uint32_t*>(p);  // bf16 -> float: the high half of a float
-    v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
-    v[0] = f.x; v[1] = f.y;
-  }
-}
-template <int kCh, class T>
-__device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
-  if constexpr (kCh == 1) {
-    p[0] = T(v[0]);
-  } else if constexpr (cute::is_same_v<T, float>) {
-    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
-  } else if constexpr (cute::is_same_v<T, cutlass::bfloat16_t>) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
-  } else {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(v[0], v[1]);
-  }
-}
-
 // Thread (channel pair/channel c, state group g): kNS = N/4 states of each of kCh adjacent channels,
 // which share the thread's loads of B and C. Per 4 tokens: loads, 4*kCh*kNS independent exp2, the
 // chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
@@ -516,14 +541,20 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   constexpr int kChains = kCh * kNS;  // recurrences per thread
   // Unrolled 4 times (2 at N = 32, 1 at N = 64, where the registers run out); 8 or 16 times overflow
   // the instruction cache (docs/perf-notes.md, v3).
-  constexpr int kTokenUnroll = kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1);
+  // Narrow layout (kP = 8): groups of 8 tokens, unrolled 4 times (S1: 2 times 0.0690 ms, 4 times
+  // 0.0631, 8 times 0.0626 but S5 +5%; docs/perf-notes.md, v3.7).
+  constexpr int kG = Cfg::kP;  // tokens per group: one y per thread and group after the reduce-scatter
+  constexpr int kTokenUnroll = kG == 8 ? 4 : (kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1));
   const int tid = threadIdx.x - 256;   // 0 .. kScanThreads-1
-  // Lanes 8q .. 8q+7 of a warp share state group q: a 16-byte load of B or C then reads one address
-  // per quarter-warp, 2 shared-memory wavefronts instead of 4 when neighbouring lanes differ (measured
-  // with a micro-benchmark; docs/perf-notes.md). The 4 threads of a channel pair are 8 lanes apart.
-  static_assert(Cfg::kP == 4, "four state groups per channel pair");
-  const int c = ((tid / 32) * 8 + tid % 8) * kCh;  // first channel in the tile
-  const int g = (tid % 32) / 8;                     // state group; also the token of 4 this thread stores
+  // Lanes kW*q .. kW*q + kW-1 of a warp share state group q (kW = 32 / kP): a 16-byte load of B or C
+  // then reads one address per quarter-warp, 2 shared-memory wavefronts instead of 4 when
+  // neighbouring lanes differ (measured with a micro-benchmark; docs/perf-notes.md); the narrow
+  // layout's 8-byte loads read one address per 4 lanes, 1 wavefront. The kP threads of a channel (pair)
+  // are kW lanes apart.
+  static_assert(Cfg::kP == 4 || Cfg::kP == 8, "four or eight state groups per channel (pair)");
+  constexpr int kW = 32 / Cfg::kP;
+  const int c = ((tid / 32) * kW + tid % kW) * kCh;  // first channel in the tile
+  const int g = (tid % 32) / kW;                     // state group; also the token of kG this thread stores
   const int n0 = g * kNS;
   const bool poly = p.exp_poly;        // token 3 of every 4 takes the polynomial exp2
   const TE* xt_base = reinterpret_cast<const TE*>(ss.xt.begin());
@@ -558,22 +589,27 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
       xpipe.consumer_wait(st.xt);
       const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
-      const float* dtp = &ss.dt[ps][0][c];
-      const float* bp = &ss.B[ps][0][n0];
-      const float* cp = &ss.C[ps][0][n0];
+      // Narrow layout: (dt, dt * x) pairs; B and C by token pairs (Config::kLdBP).
+      const float* dtp = Cfg::kNarrow ? &ss.dt[ps][0][2 * c] : &ss.dt[ps][0][c];
+      const float* bp = Cfg::kNarrow ? &ss.B[ps][0][0] + (n0 / 2) * 4 : &ss.B[ps][0][n0];
+      const float* cp = Cfg::kNarrow ? &ss.C[ps][0][0] + (n0 / 2) * 4 : &ss.C[ps][0][n0];
       EO* yp = static_cast<EO*>(p.y) + (s.b * p.seqlen + t0 + g) * p.dim + d;  // token t0 + g
-      const int64_t y_step = 4 * p.dim;
+      const int64_t y_step = kG * p.dim;
 
       // One loop per exp mode, chosen once per tile (a branch per exponential would split the loop
       // body into basic blocks and stop the compiler from interleaving the chains).
       auto tile_loop = [&](auto poly_tag) {
         constexpr bool kPoly = decltype(poly_tag)::value;
 #pragma unroll kTokenUnroll
-        for (int tg = 0; tg < kT; tg += 4) {
-          float dt[4][kCh], dtx[4][kCh], xv[4][kCh];
+        for (int tg = 0; tg < kT; tg += kG) {
+          float dt[kG][kCh], dtx[kG][kCh], xv[kG][kCh];
           CUTE_UNROLL
-          for (int j = 0; j < 4; ++j) {
-            if constexpr (kCh == 1) {
+          for (int j = 0; j < kG; ++j) {
+            if constexpr (Cfg::kNarrow) {
+              const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
+              dt[j][0] = d2.x; dtx[j][0] = d2.y;
+              continue;
+            } else if constexpr (kCh == 1) {
               dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
             } else {
               const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
@@ -583,19 +619,28 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             CUTE_UNROLL
             for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
           }
-          float ys[kCh][4];
+          float ys[kCh][kG];
           CUTE_UNROLL
           for (int ch = 0; ch < kCh; ++ch)
             CUTE_UNROLL
-            for (int j = 0; j < 4; ++j) ys[ch][j] = 0.f;
+            for (int j = 0; j < kG; ++j) ys[ch][j] = 0.f;
           CUTE_UNROLL
           for (int q = 0; q < kNS; q += kQ) {
-            float Bq[4][kQ], Cq[4][kQ], dA[4][kCh][kQ];
+            float Bq[kG][kQ], Cq[kG][kQ], dA[kG][kCh][kQ];
             CUTE_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              const float* b = bp + (tg + j) * Cfg::kLdN + q;
-              const float* cc = cp + (tg + j) * Cfg::kLdN + q;
-              if constexpr (kQ == 4) {
+            for (int j = 0; j < kG; ++j) {
+              [[maybe_unused]] const float* b = bp + (tg + j) * Cfg::kLdN + q;
+              [[maybe_unused]] const float* cc = cp + (tg + j) * Cfg::kLdN + q;
+              if constexpr (Cfg::kNarrow) {  // two tokens' 2 states per 16-byte load (kNS = kQ = 2)
+                if (j % 2 == 0) {
+                  const float4 b4 = *reinterpret_cast<const float4*>(bp + ((tg + j) / 2) * Cfg::kLdBP);
+                  Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j + 1][0] = b4.z; Bq[j + 1][1] = b4.w;
+                  if (kFull) {
+                    const float4 c4 = *reinterpret_cast<const float4*>(cp + ((tg + j) / 2) * Cfg::kLdBP);
+                    Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j + 1][0] = c4.z; Cq[j + 1][1] = c4.w;
+                  }
+                }
+              } else if constexpr (kQ == 4) {
                 const float4 b4 = *reinterpret_cast<const float4*>(b);
                 Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
                 if (kFull) {
@@ -612,16 +657,16 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
               }
             }
             CUTE_UNROLL
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < kG; ++j)
               CUTE_UNROLL
               for (int ch = 0; ch < kCh; ++ch)
                 CUTE_UNROLL
                 for (int n = 0; n < kQ; ++n) {
                   const float e = dt[j][ch] * A2[ch][q + n];
-                  dA[j][ch][n] = (kPoly && j == 3) ? exp2_poly(e) : ex2_approx(e);
+                  dA[j][ch][n] = (kPoly && j % 4 == 3) ? exp2_poly(e) : ex2_approx(e);
                 }
             CUTE_UNROLL
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < kG; ++j)
               CUTE_UNROLL
               for (int ch = 0; ch < kCh; ++ch)
                 CUTE_UNROLL
@@ -630,7 +675,28 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
                   if (kFull) ys[ch][j] = fmaf(Cq[j][n], h[ch][q + n], ys[ch][j]);
                 }
           }
-          if (kFull) {
+          if constexpr (kFull && kG == 8) {
+            // Narrow layout: reduce-scatter over the 8 threads of the channel (lanes 4 apart), halving
+            // the tokens at each level: thread g ends with token tg + g. x of that token is loaded
+            // again (one load instead of a chain of 7 selects).
+            float v[8];
+            CUTE_UNROLL
+            for (int j = 0; j < 8; ++j) v[j] = ys[0][j];
+            CUTE_UNROLL
+            for (int w = 4; w >= 1; w /= 2) {
+              const bool hi = g & w;
+              CUTE_UNROLL
+              for (int i = 0; i < w; ++i) {
+                const float keep = hi ? v[i + w] : v[i], send = hi ? v[i] : v[i + w];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW * w);
+              }
+            }
+            float xg[1];
+            load_vals<1>(xp + (tg + g) * Cfg::kDt, xg);
+            float out[1] = {fmaf(dskip[0], xg[0], v[0])};
+            if (tg + g < n_valid) store_vals<1>(yp, out);
+            yp += y_step;
+          } else if (kFull) {
             // Per channel, reduce-scatter over the 4 threads of the channel: thread g ends with token
             // tg + g.
             const bool hi = g & 2, lo = g & 1;
@@ -650,7 +716,10 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             yp += y_step;
           } else {
             CUTE_UNROLL
-            for (int ch = 0; ch < kCh; ++ch) sum_dt[ch] += (dt[0][ch] + dt[1][ch]) + (dt[2][ch] + dt[3][ch]);
+            for (int ch = 0; ch < kCh; ++ch) {
+              sum_dt[ch] += (dt[0][ch] + dt[1][ch]) + (dt[2][ch] + dt[3][ch]);
+              if constexpr (kG == 8) sum_dt[ch] += (dt[4][ch] + dt[5][ch]) + (dt[6][ch] + dt[7][ch]);
+            }
           }
         }
       };
@@ -859,11 +928,20 @@ struct Launcher {
 // bf16/fp16 and float32 TF32 ("high") with N = 16: the scan layout by stream length (two scan
 // warpgroups for streams of at most kFusedShortStream tokens; docs/perf-notes.md, v3.2 and v3.3).
 // fused_max_ring_stages() reads the default Config, so both layouts must hold the same ring.
+// bf16/fp16 also have the narrow layout (16 channels per CTA, p.channel_tile == 16; fused_plan).
 template <class E>
 cudaError_t launch_n16(const FusedParams& p, cudaStream_t stream) {
   using Short = Config<E, 16, false, 1>;
   using Long = Config<E, 16, false>;
   static_assert(Short::kStages == Long::kStages, "both scan layouts hold the same operand ring");
+  if (p.channel_tile == 16) {
+    if constexpr (cute::is_same_v<E, float>) {
+      return cudaErrorInvalidValue;  // no narrow layout for float32 (fused_plan never asks for it)
+    } else {
+      return Launcher<Config<E, 16, false, 1, 16>>::launch(p, stream);
+    }
+  }
+  if (p.channel_tile != 64) return cudaErrorInvalidValue;
   return p.seg_len <= kFusedShortStream ? Launcher<Short>::launch(p, stream) : Launcher<Long>::launch(p, stream);
 }
 

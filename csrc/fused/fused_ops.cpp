@@ -30,6 +30,15 @@ void check_fused_envelope(const at::Tensor& x, int64_t Dm, int64_t N) {
               kFusedChannelTile, " from ", kFusedChannelTile, " to ", kFusedMaxDim, "); use impl='unfused'");
 }
 
+// ScanConfig(channel_tile=...): 0 (chosen by fused_plan), 64, or 16 where the narrow layout exists.
+void check_channel_tile(const FusedParams& p, int64_t channel_tile, at::ScalarType dtype) {
+  TORCH_CHECK(channel_tile == 0 || channel_tile == 64 || channel_tile == 16,
+              "selscan_fused: ScanConfig(channel_tile=", channel_tile, ") must be 0 (automatic), 16 or 64");
+  TORCH_CHECK(channel_tile != 16 || fused_has_narrow_layout(p.dtype, p.dstate),
+              "selscan_fused: ScanConfig(channel_tile=16) exists for bfloat16/float16 with N = 16 only (got ",
+              dtype, ", N = ", p.dstate, "); use 0 or 64");
+}
+
 FusedParams make_params(const at::Tensor& x, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
   FusedParams p;
   p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
@@ -48,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
                                              const at::Tensor& W_delta, const at::Tensor& b_delta,
                                              const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
                                              const c10::optional<at::Tensor>& h0, bool return_final_state,
-                                             int64_t l_segments, bool exp_poly, int64_t ring_stages) {
+                                             int64_t l_segments, bool exp_poly, int64_t ring_stages,
+                                             int64_t channel_tile) {
   auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
   check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
   check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
@@ -76,9 +86,10 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
               max_stages, " for ", x.scalar_type(), " with N = ", N,
               (p.dtype == DType::kFloat32 ? (p.fp32_3xtf32 ? " (3xTF32)" : " (TF32)") : ""));
   p.ring_stages = int(ring_stages);
+  check_channel_tile(p, channel_tile, x.scalar_type());
   FusedLaunchInfo plan;
-  SELSCAN_CUDA_OK(fused_plan(p, l_segments, x.get_device(), &plan), "planning the fused kernel");
-  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, channel_tile, x.get_device(), &plan), "planning the fused kernel");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len; p.channel_tile = int(plan.channel_tile);
 
   at::Tensor y = at::empty({batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
@@ -96,15 +107,16 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
   return {y, hT};
 }
 
-// [n_segments, seg_len] the fused kernel would use for x's shape.
-std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments) {
+// [n_segments, seg_len, channel_tile] the fused kernel would use for x's shape.
+std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments, int64_t channel_tile) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "selscan_fused: fused_plan needs a CUDA x of shape (batch, L, D)");
   check_fused_envelope(x, x.size(2), dstate);
   const c10::cuda::CUDAGuard guard(x.device());
   FusedParams p = make_params(x, x.size(0), x.size(1), x.size(2), dstate);
+  check_channel_tile(p, channel_tile, x.scalar_type());
   FusedLaunchInfo plan;
-  SELSCAN_CUDA_OK(fused_plan(p, l_segments, x.get_device(), &plan), "planning the fused kernel");
-  return {plan.n_segments, plan.seg_len};
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, channel_tile, x.get_device(), &plan), "planning the fused kernel");
+  return {plan.n_segments, plan.seg_len, plan.channel_tile};
 }
 
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
@@ -115,8 +127,8 @@ void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
 TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   m.def("fused_fwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False, "
-        "int ring_stages=0) -> (Tensor, Tensor)");
-  m.def("fused_plan(Tensor x, int dstate, int l_segments) -> int[]");
+        "int ring_stages=0, int channel_tile=0) -> (Tensor, Tensor)");
+  m.def("fused_plan(Tensor x, int dstate, int l_segments, int channel_tile=0) -> int[]");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
 }
 

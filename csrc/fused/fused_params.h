@@ -22,6 +22,9 @@ struct FusedParams {
   bool exp_poly = false;
   // Ablation switch: operand-ring stages in use, 2 .. fused_max_ring_stages(); 0 = all that fit.
   int ring_stages = 0;
+  // Channels per CTA (stream), set by fused_plan: 64, or 16 (bf16/fp16 with N = 16 only: the narrow
+  // layout, chosen where it avoids an L split or most of its recomputation).
+  int channel_tile = 64;
 
   // Inputs, all contiguous.
   const void* x = nullptr;          // (batch, L, D), dtype
