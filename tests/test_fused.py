@@ -66,16 +66,17 @@ def test_fused_split_more_streams_than_sms(mode, channel_tile, poisoned_outputs)
 
 # Lengths around the 64-token scan tile and the 128-token tensor-core tile (bf16/fp16, N <= 32): the
 # last tile's second half empty (skipped by every role), partly filled or full; with L split, the last
-# segment is such a tile too.
+# segment is such a tile too. N = 16 in both channel tiles (the narrow layout and the 64-channel one).
 @pytest.mark.parametrize("L", [63, 64, 65, 127, 128, 129, 191, 192, 193])
-@pytest.mark.parametrize("N", [16, 32, 64])
+@pytest.mark.parametrize("N,channel_tile", [(16, 16), (16, 64), (32, 0), (64, 0)])
 @pytest.mark.parametrize("l_segments", [1, 2])
 @pytest.mark.parametrize("mode", ["bfloat16", "float16"])
-def test_fused_tile_boundaries(L, N, l_segments, mode, poisoned_outputs):
+def test_fused_tile_boundaries(L, N, channel_tile, l_segments, mode, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(2, L, 128, N, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(l_segments=l_segments))
+        y, h = call(inp, "fused", return_final_state=True,
+                    config=ScanConfig(l_segments=l_segments, channel_tile=channel_tile))
     check_against_float64(inp, y, h, mode)
 
 
@@ -89,6 +90,15 @@ def test_fused_exp_poly_matches_float64(shape, mode, poisoned_outputs):
         inp = make_inputs(*shape, dtype=DTYPES[mode], device="cuda", with_h0=True)
         y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(exp_poly=True, l_segments=2))
     check_against_float64(inp, y, h, mode)
+
+
+@pytest.mark.parametrize("channel_tile", [16, 64])
+def test_fused_exp_poly_both_channel_tiles(channel_tile, poisoned_outputs):
+    fresh_seed()
+    inp = make_inputs(2, 1000, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    y, h = call(inp, "fused", return_final_state=True,
+                config=ScanConfig(exp_poly=True, l_segments=2, channel_tile=channel_tile))
+    check_against_float64(inp, y, h, "bfloat16")
 
 
 # bf16/fp16 and float32 "high" with N = 16 have two scan layouts of 64 channels per CTA, chosen by
@@ -156,16 +166,19 @@ def test_fused_channel_tile_choice_and_errors():
 
 # The ablation switch ScanConfig(ring_stages=...): depths from 2 to the deepest that fits, with L split
 # (both phases walk the ring) and odd L, in every dtype mode.
-@pytest.mark.parametrize("mode,N,stages", [("bfloat16", 16, 2), ("bfloat16", 16, 3), ("bfloat16", 16, 5),
-                                           ("bfloat16", 32, 4), ("float16", 64, 2), ("float16", 8, 3),
-                                           ("float32-highest", 16, 2), ("float32-highest", 64, 2),
-                                           ("float32-high", 16, 2), ("float32-high", 16, 4),
-                                           ("float32-high", 8, 5)])
-def test_fused_ring_stages_match_float64(mode, N, stages, poisoned_outputs):
+# (bf16 N = 16 in both channel tiles: the narrow layout, which auto picks for this shape, and 64.)
+@pytest.mark.parametrize("mode,N,stages,tile", [("bfloat16", 16, 2, 0), ("bfloat16", 16, 3, 0), ("bfloat16", 16, 5, 0),
+                                                ("bfloat16", 16, 2, 64), ("bfloat16", 16, 5, 64),
+                                                ("bfloat16", 32, 4, 0), ("float16", 64, 2, 0), ("float16", 8, 3, 0),
+                                                ("float32-highest", 16, 2, 0), ("float32-highest", 64, 2, 0),
+                                                ("float32-high", 16, 2, 0), ("float32-high", 16, 4, 0),
+                                                ("float32-high", 8, 5, 0)])
+def test_fused_ring_stages_match_float64(mode, N, stages, tile, poisoned_outputs):
     fresh_seed()
     with matmul_precision(mode):
         inp = make_inputs(2, 1000, 256, N, dtype=DTYPES[mode], device="cuda", with_h0=True)
-        y, h = call(inp, "fused", return_final_state=True, config=ScanConfig(ring_stages=stages, l_segments=2))
+        y, h = call(inp, "fused", return_final_state=True,
+                    config=ScanConfig(ring_stages=stages, l_segments=2, channel_tile=tile))
     check_against_float64(inp, y, h, mode)
 
 

@@ -602,22 +602,24 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
         constexpr bool kPoly = decltype(poly_tag)::value;
 #pragma unroll kTokenUnroll
         for (int tg = 0; tg < kT; tg += kG) {
-          float dt[kG][kCh], dtx[kG][kCh], xv[kG][kCh];
+          float dt[kG][kCh], dtx[kG][kCh];
+          [[maybe_unused]] float xv[kG][kCh];  // the x tile's values (not read by the narrow layout)
           CUTE_UNROLL
           for (int j = 0; j < kG; ++j) {
-            if constexpr (Cfg::kNarrow) {
+            if constexpr (Cfg::kNarrow) {  // (dt, dt * x) from the epilogue; x is not needed here
               const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
               dt[j][0] = d2.x; dtx[j][0] = d2.y;
-              continue;
-            } else if constexpr (kCh == 1) {
-              dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
             } else {
-              const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
-              dt[j][0] = d2.x; dt[j][1] = d2.y;
+              if constexpr (kCh == 1) {
+                dt[j][0] = dtp[(tg + j) * Cfg::kLdDt];
+              } else {
+                const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * Cfg::kLdDt);
+                dt[j][0] = d2.x; dt[j][1] = d2.y;
+              }
+              load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
+              CUTE_UNROLL
+              for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
             }
-            load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
-            CUTE_UNROLL
-            for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
           }
           float ys[kCh][kG];
           CUTE_UNROLL
@@ -629,8 +631,6 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             float Bq[kG][kQ], Cq[kG][kQ], dA[kG][kCh][kQ];
             CUTE_UNROLL
             for (int j = 0; j < kG; ++j) {
-              [[maybe_unused]] const float* b = bp + (tg + j) * Cfg::kLdN + q;
-              [[maybe_unused]] const float* cc = cp + (tg + j) * Cfg::kLdN + q;
               if constexpr (Cfg::kNarrow) {  // two tokens' 2 states per 16-byte load (kNS = kQ = 2)
                 if (j % 2 == 0) {
                   const float4 b4 = *reinterpret_cast<const float4*>(bp + ((tg + j) / 2) * Cfg::kLdBP);
@@ -640,19 +640,23 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
                     Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j + 1][0] = c4.z; Cq[j + 1][1] = c4.w;
                   }
                 }
-              } else if constexpr (kQ == 4) {
-                const float4 b4 = *reinterpret_cast<const float4*>(b);
-                Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
-                if (kFull) {
-                  const float4 c4 = *reinterpret_cast<const float4*>(cc);
-                  Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
-                }
               } else {
-                const float2 b2 = *reinterpret_cast<const float2*>(b);
-                Bq[j][0] = b2.x; Bq[j][1] = b2.y;
-                if (kFull) {
-                  const float2 c2 = *reinterpret_cast<const float2*>(cc);
-                  Cq[j][0] = c2.x; Cq[j][1] = c2.y;
+                const float* b = bp + (tg + j) * Cfg::kLdN + q;
+                const float* cc = cp + (tg + j) * Cfg::kLdN + q;
+                if constexpr (kQ == 4) {
+                  const float4 b4 = *reinterpret_cast<const float4*>(b);
+                  Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
+                  if (kFull) {
+                    const float4 c4 = *reinterpret_cast<const float4*>(cc);
+                    Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
+                  }
+                } else {
+                  const float2 b2 = *reinterpret_cast<const float2*>(b);
+                  Bq[j][0] = b2.x; Bq[j][1] = b2.y;
+                  if (kFull) {
+                    const float2 c2 = *reinterpret_cast<const float2*>(cc);
+                    Cq[j][0] = c2.x; Cq[j][1] = c2.y;
+                  }
                 }
               }
             }
