@@ -2,6 +2,8 @@
 
     python benchmarks/bench.py                       # S1-S5, bf16 and fp32
     python benchmarks/bench.py --shapes S1,S4 --dtypes bf16 --segments 1,4,16,64   # L-split sweep
+    python benchmarks/bench.py --shapes 4x2048x256x16 --dtypes bf16 --impls fused --channel-tiles 0,16,64
+                                                     # any BxLxDxN; fused channel tiles side by side
 
 Timing: CUDA events, the L2 cache flushed before every call (a 256 MB write, outside the timed
 region), warm-up first, median of --reps calls. Two figures per path:
@@ -22,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import MAMBA_SCAN_ONLY, MAMBA_USER_PATH, SHAPES, floors  # noqa: E402
+from shapes import MAMBA_SCAN_ONLY, MAMBA_USER_PATH, floors, shape_dims  # noqa: E402
 
 import selscan_fused  # noqa: E402
 from selscan_fused import ScanConfig  # noqa: E402
@@ -64,7 +66,7 @@ def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
 
 
 def make(shape: str, dtype: str):
-    b, L, D, N = SHAPES[shape]
+    b, L, D, N = shape_dims(shape)
     return make_inputs(b, L, D, N, TORCH_DTYPE[dtype], "cuda")
 
 
@@ -131,7 +133,7 @@ def main():
     for shape in a.shapes.split(","):
         for dtype in a.dtypes.split(","):
             torch.set_float32_matmul_precision("high" if dtype == "fp32-high" else "highest")
-            b, L, D, N = SHAPES[shape]
+            b, L, D, N = shape_dims(shape)
             inp = make(shape, dtype)
             f = floors(shape, dtype)
             largest = max(f.exp_ms, f.io_ms, f.gemm_ms)

@@ -25,6 +25,17 @@ MAMBA_USER_PATH = {("S1", "fp32"): 0.305, ("S1", "bf16"): 0.201, ("S2", "bf16"):
                    ("S3", "bf16"): 2.835, ("S4", "bf16"): 1.079}
 
 
+def shape_dims(shape: str):
+    """(batch, L, D, N) of a named shape, or of one written as BxLxDxN (e.g. 4x2048x256x16)."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    try:
+        b, L, D, N = (int(v) for v in shape.split("x"))
+    except ValueError:
+        raise ValueError(f"unknown shape {shape!r}: a name of {sorted(SHAPES)} or BxLxDxN") from None
+    return b, L, D, N
+
+
 @dataclass
 class Floors:
     exp_ms: float
@@ -33,7 +44,7 @@ class Floors:
 
 
 def floors(shape: str, dtype: str) -> Floors:
-    b, L, D, N = SHAPES[shape]
+    b, L, D, N = shape_dims(shape)
     tokens = b * L
     elem = 4 if dtype.startswith("fp32") else 2
     return Floors(
