@@ -58,9 +58,9 @@ class ScanConfig:
         otherwise an error): the narrow layout, 8 threads per channel with 2 states each, so that a
         batch of few sequences has four times the streams and needs no L split (whose second pass
         recomputes the exponentials of every segment but the last). 0 = chosen per call by a cost
-        model of the busiest CTA's exponentials (csrc/fused/fused_api.cu, fused_plan): the narrow
-        layout for S1-like shapes (batch x D / 64 below the SM count, batch x D / 16 near it) and S5,
-        64 elsewhere (docs/perf-notes.md, v3.7).
+        model of the busiest CTA's scan and operand loads (csrc/fused/fused_api.cu, fused_plan): the
+        narrow layout for S1-like shapes (few sequences, D up to ~512) and S5, 64 elsewhere
+        (docs/perf-notes.md, v3.7, which lists the shapes it was checked on).
     """
 
     l_segments: int = 0

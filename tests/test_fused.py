@@ -151,6 +151,9 @@ def test_fused_channel_tile_choice_and_errors():
         assert plan(x(1, 64, 1024), 16, 0)[2] == 16               # S5
         assert plan(x(8, 4096, 1024), 16, 0) == [1, 4096, 64]     # S2
         assert plan(x(1, 65536, 256), 16, 0)[2] == 64             # S4
+        assert plan(x(4, 2048, 256), 16, 0) == [2, 1024, 16]      # fewer sequences: narrow, L in 2
+        assert plan(x(1, 4097, 2048), 16, 0)[2] == 64             # wide D: narrow bound by x loads
+        assert plan(x(2, 4096, 1024), 16, 0)[2] == 64
     assert plan(x(8, 2048, 256, torch.float32), 16, 0)[2] == 64  # no narrow layout for float32
     assert plan(x(8, 2048, 256), 32, 0)[2] == 64                 # nor for N != 16
     assert plan(x(8, 2048, 256), 16, 0, 64)[2] == 64

@@ -34,10 +34,13 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
   const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
   const int64_t batch = std::max<int64_t>(p.batch, 1);
   const int64_t max_segments = (seqlen + kFusedTokenTile - 1) / kFusedTokenTile;
-  // The L split for a channel tile, and its cost: the exponentials of the busiest CTA (each phase's
-  // streams spread over one persistent CTA per SM), weighted by the scan's measured cost per
-  // exponential in that layout (kFusedNarrowCost; the 64-channel layouts: 1 for long streams, 1.14
-  // for short ones, docs/perf-notes.md v3.2).
+  // The L split for a channel tile, and its cost: the tokens of the busiest CTA (each phase's streams
+  // spread over one persistent CTA per SM), times the larger of two per-token costs: the scan's (its
+  // channels weighted by the measured cost per exponential of the layout: kFusedNarrowCost; the
+  // 64-channel layouts 1 for long streams, 1.14 for short ones, docs/perf-notes.md v3.2) and the
+  // operand loads' (an x row and the token's share of the stacked weight tile, in
+  // kFusedLoadBytesPerUnit).
+  const double elem = p.dtype == DType::kFloat32 ? 4.0 : 2.0;
   auto plan = [&](int64_t tile, FusedLaunchInfo* info) {
     const int64_t streams = batch * (p.dim / tile);
     int64_t n = 1;
@@ -55,7 +58,10 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
     const int64_t waves = (streams * info->n_segments + sms - 1) / sms +
                           (streams * (info->n_segments - 1) + sms - 1) / sms;
     const double per_exp = tile == 16 ? kFusedNarrowCost : (info->seg_len <= kFusedShortStream ? 1.14 : 1.0);
-    return double(waves) * double(info->seg_len) * double(tile) * per_exp;
+    const double scan = double(tile) * per_exp;
+    const double load = double(p.dim) * elem * (1.0 + double(tile + 2 * p.dstate) / double(kFusedTokenTile)) /
+                        kFusedLoadBytesPerUnit;
+    return double(waves) * double(info->seg_len) * std::max(scan, load);
   };
   FusedLaunchInfo wide, narrow;
   const double cost_wide = plan(64, &wide);
