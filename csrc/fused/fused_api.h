@@ -7,7 +7,7 @@
 namespace selscan {
 
 constexpr int64_t kFusedTokenTile = 128;   // L segments are whole multiples of the largest token tile
-constexpr int64_t kFusedChannelTile = 64;  // channels per CTA; D must be a multiple
+constexpr int64_t kFusedChannelTile = 64;  // channels per CTA (16 in the narrow layout); D must be a multiple
 constexpr int64_t kFusedMaxDim = 8192;
 // bf16/fp16 and float32 "high" with N = 16: streams (L segments) of at most this many tokens take
 // the kernel with two scan warpgroups (one channel per scan thread): bf16 9-13% faster on S1 and S5,
