@@ -70,6 +70,15 @@ def make(shape: str, dtype: str):
     return make_inputs(b, L, D, N, TORCH_DTYPE[dtype], "cuda")
 
 
+def _has_channel_tile(inp, tile: int) -> bool:
+    """Whether the fused kernel has this channel tile for x's dtype and N (asks its planner)."""
+    try:
+        torch.ops.selscan_fused.fused_plan(inp["x"], inp["A_log"].shape[1], 0, tile)
+        return True
+    except RuntimeError:
+        return False
+
+
 def paths(inp, impls, segments, rings=(0,), tiles=(0,)):
     """(name, callable) for every path asked for."""
     out = []
@@ -93,12 +102,11 @@ def paths(inp, impls, segments, rings=(0,), tiles=(0,)):
             tag = "" if seg == 0 else f"[seg={seg}]"
             # fused-poly: the ablation switch ScanConfig(exp_poly=True); [ring=k]: ScanConfig(ring_stages=k);
             # [tile=c]: ScanConfig(channel_tile=c) (skipped where that layout does not exist).
-            narrow = inp["x"].dtype in (torch.bfloat16, torch.float16) and inp["A_log"].shape[1] == 16
             for name, poly in (("fused", False), ("fused-poly", True)):
                 if name in impls:
                     for ring in rings:
                         for tile in tiles:
-                            if tile == 16 and not narrow:
+                            if not _has_channel_tile(inp, tile):
                                 continue
                             rtag = ("" if ring == 0 else f"[ring={ring}]") + ("" if tile == 0 else f"[tile={tile}]")
                             cfg = ScanConfig(l_segments=seg, exp_poly=poly, ring_stages=ring, channel_tile=tile)

@@ -28,8 +28,8 @@ constexpr double kFusedNarrowCost = 2.0;
 // ... and the operand bytes (x rows and weight rows, L2 -> shared memory) that cost one such unit per
 // CTA: a CTA streams every x row of its tokens once per channel tile, so at large D the narrow layout
 // is bound by L2 bandwidth (bf16: 1 x 4097 x 2048 0.274 ms narrow against 0.240 with 64 channels,
-// 2 x 4096 x 1024 0.170 against 0.164; the value puts both on the 64-channel side and keeps the 12
-// other shapes measured on the side that measured faster; docs/perf-notes.md v3.7).
+// 2 x 4096 x 1024 0.170 against 0.164; the value puts both on the 64-channel side and keeps the
+// other shapes of docs/perf-notes.md v3.7's table on the side that measured faster).
 constexpr double kFusedLoadBytesPerUnit = 75.0;
 
 // Whether the narrow layout exists for this dtype / N (bf16/fp16 with N = 16).

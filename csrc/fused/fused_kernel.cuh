@@ -2,7 +2,8 @@
 //
 // Work: a stream = (L-segment, sequence b, channel tile of kDt = 64 or 16 channels). A persistent CTA
 // (one per SM) walks its streams' token tiles in order; the state h stays in registers. The tensor
-// cores work on tiles of kTM tokens (128; 64 for float32 and N = 64), the scan on tiles of kT = 64.
+// cores work on tiles of kTM tokens (128; 64 for N = 64, float32 N = 32 and float32 "highest"), the scan
+// on tiles of kT = 64.
 //
 // Roles (256 + kScanThreads threads, one CTA per SM):
 //   warpgroup 0  producer. Warp 0's elected lane issues the operand loads: for every K chunk of a
@@ -549,8 +550,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   // Lanes kW*q .. kW*q + kW-1 of a warp share state group q (kW = 32 / kP): a 16-byte load of B or C
   // then reads one address per quarter-warp, 2 shared-memory wavefronts instead of 4 when
   // neighbouring lanes differ (measured with a micro-benchmark; docs/perf-notes.md); the narrow
-  // layout's 8-byte loads read one address per 4 lanes, 1 wavefront. The kP threads of a channel (pair)
-  // are kW lanes apart.
+  // layout's 16-byte loads (two tokens' 2 states) read 8 addresses, lanes in groups of 4: 2 wavefronts.
+  // The kP threads of a channel (pair) are kW lanes apart.
   static_assert(Cfg::kP == 4 || Cfg::kP == 8, "four or eight state groups per channel (pair)");
   constexpr int kW = 32 / Cfg::kP;
   const int c = ((tid / 32) * kW + tid % kW) * kCh;  // first channel in the tile
@@ -681,8 +682,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
           }
           if constexpr (kFull && kG == 8) {
             // Narrow layout: reduce-scatter over the 8 threads of the channel (lanes 4 apart), halving
-            // the tokens at each level: thread g ends with token tg + g. x of that token is loaded
-            // again (one load instead of a chain of 7 selects).
+            // the tokens at each level: thread g ends with token tg + g; x of that token comes from
+            // the x tile (the loop itself takes dt * x from the hand-off).
             float v[8];
             CUTE_UNROLL
             for (int j = 0; j < 8; ++j) v[j] = ys[0][j];
@@ -904,6 +905,7 @@ struct Launcher {
   }
 
   static cudaError_t launch(const FusedParams& p, cudaStream_t stream) {
+    if (p.channel_tile != Cfg::kDt) return cudaErrorInvalidValue;  // fused_plan's tile is this kernel's
     int device = 0, sms = 0;
     SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
     SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -938,14 +940,9 @@ cudaError_t launch_n16(const FusedParams& p, cudaStream_t stream) {
   using Short = Config<E, 16, false, 1>;
   using Long = Config<E, 16, false>;
   static_assert(Short::kStages == Long::kStages, "both scan layouts hold the same operand ring");
-  if (p.channel_tile == 16) {
-    if constexpr (cute::is_same_v<E, float>) {
-      return cudaErrorInvalidValue;  // no narrow layout for float32 (fused_plan never asks for it)
-    } else {
-      return Launcher<Config<E, 16, false, 1, 16>>::launch(p, stream);
-    }
+  if constexpr (!cute::is_same_v<E, float>) {  // no narrow layout for float32
+    if (p.channel_tile == 16) return Launcher<Config<E, 16, false, 1, 16>>::launch(p, stream);
   }
-  if (p.channel_tile != 64) return cudaErrorInvalidValue;
   return p.seg_len <= kFusedShortStream ? Launcher<Short>::launch(p, stream) : Launcher<Long>::launch(p, stream);
 }
 
