@@ -1,18 +1,25 @@
-// The ceiling of the scan's instruction mix on one SM (H100/H200), with no tensor-core work beside it,
-// and what a shared-memory reader beside the fused kernel's scan loop costs it.
+// The ceiling of the scan's instruction mix on one SM (H100/H200), and what the work the fused kernel
+// puts beside its scan (shared-memory traffic, bulk copies, the tensor cores' products) costs it.
 //
 // Per element (token t, channel d, state n) the recurrence needs five instructions: the exponent's
 // product dt*A, the exponential (MUFU ex2), dt*x*B, the state h = dA*h + dt*x*B and y += C*h. This
 // runs exactly that with everything in registers (or, with kLoads, B and C read from shared memory
 // per token as the fused kernel does), for several chains per thread (K) and warps per SM (W), and
 // reports exponentials per SM clock (clock64 around the loop; the MUFU peak is 16, four per
-// scheduler). It bounds what any layout of the fused kernel's scan can reach (docs/perf-notes.md,
-// "After v3.7: the scan loop's ceiling, and what sharing the SM with the products costs").
+// scheduler). It bounds what any layout of the fused kernel's scan can reach. `loop64` then runs the
+// fused kernel's own loop, alone and beside a second warpgroup (kNoise, below). docs/perf-notes.md,
+// "After v3.7: the scan loop's ceiling, and what sharing the SM with the products costs".
 //
-//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o scan_ceiling benchmarks/micro/scan_ceiling.cu
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        -I<cutlass>/include -o scan_ceiling benchmarks/micro/scan_ceiling.cu
+//   (<cutlass>: the nvidia-cutlass wheel's cutlass_library/source)
 //   ./scan_ceiling
 #include <cstdio>
 #include <cstdlib>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
 
 #define CHECK(x)                                                                         \
   do {                                                                                   \
@@ -102,19 +109,150 @@ void run(int warps, int sms, int tokens, float* out, long long* cycles) {
               kLoads ? "loads" : "regs", K, U, warps, warps / 4, exps / double(worst), 100.0 * exps / double(worst) / 16.0);
 }
 
+// The fused kernel's products beside the scan (kNoise 3-9), on a 64 KB region of shared memory:
+// warpgroup 1 issues the kernel's wgmma, x (128 x 64) against a stacked weight tile (96 x 64), bf16,
+// 128-byte swizzle, float32 accumulators, one batch of 4 K steps at a time: as fast as it can (3),
+// or paced to 1400 flops per SM clock (4, 5: the kernel's rate on S2, ~41% of the tensor peak); warp 8
+// (5, 6) streams 28 KB bulk copies (the TMA's path) from global memory into another part of the
+// region, two in flight, as the kernel's operand ring does; 7-9 are paced like 4 with another tile
+// shape or operand source. Counters: flops and copied bytes of CTA 0.
+template <int kNoise>
+__device__ __forceinline__ void products_role(unsigned char* region, volatile int* done, long long* cycles,
+                                              const unsigned char* src, float* out) {
+  using namespace cute;
+  using E = cutlass::bfloat16_t;
+  // The weight tile's rows (the wgmma's N): 96 as in the kernel at N = 16; 32 (7) and 192 (8) move
+  // 1.8x and 0.8x the shared-memory bytes per flop, to tell shared-memory reads from other costs.
+  constexpr int kNW = kNoise == 7 ? 32 : (kNoise == 8 ? 192 : 96);
+  constexpr int kM = kNoise == 8 ? 64 : 128;  // 192 columns on 128 rows would not fit the registers
+  using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, make_shape(Int<kM>{}, Int<64>{})));
+  using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, make_shape(Int<kNW>{}, Int<64>{})));
+  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<E, E, float, Shape<Int<kM>, Int<kNW>, _64>, GMMA::Major::K,
+                                                           GMMA::Major::K>()));
+  constexpr int kBytesA = 128 * 64 * 2, kBytesB = 96 * 64 * 2, kCopy = kBytesA + kBytesB;
+  const int tid = threadIdx.x;
+  if (tid < 256) {
+    if constexpr (kNoise == 6) return;
+    E* a_ptr = reinterpret_cast<E*>(region);           // 1024-aligned (region: 64 KB into the buffer)
+    E* b_ptr = reinterpret_cast<E*>(region + kBytesA);
+    Tensor sA = make_tensor(make_smem_ptr(a_ptr), LayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(b_ptr), LayoutB{});
+    Mma mma;
+    auto thr = mma.get_thread_slice(tid - 128);
+    Tensor tA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tB = thr.make_fragment_B(thr.partition_B(sB));
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kM>, Int<kNW>>{});
+    clear(acc);
+    // kNoise 9: the same products with x (A) in registers, brought from shared memory by ldmatrix
+    // (wgmma then reads only the weight tile from shared memory).
+    using MmaRS = decltype(make_tiled_mma(GMMA::rs_op_selector<E, E, float, Shape<Int<kM>, Int<kNW>, _64>,
+                                                               GMMA::Major::K, GMMA::Major::K>()));
+    MmaRS mma_rs;
+    auto thr_rs = mma_rs.get_thread_slice(tid - 128);
+    Tensor rA = thr_rs.partition_fragment_A(sA);
+    Tensor tBrs = thr_rs.make_fragment_B(thr_rs.partition_B(sB));
+    auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, E>{}, mma_rs);
+    auto s2r_thr = s2r.get_thread_slice(tid - 128);
+    Tensor sA_view = s2r_thr.partition_S(sA);
+    Tensor rA_view = s2r_thr.retile_D(rA);
+    long long batches = 0;
+    const long long t0 = clock64();
+    constexpr long long kFlops = 2LL * kM * kNW * 64;                   // per batch
+    constexpr long long kPeriod = (kNoise == 3) ? 0 : kFlops / 1400;   // clocks per batch
+    // wgmma is warpgroup-collective: the four warps must agree on when to stop (one reads the flag,
+    // a named barrier hands it to all; two slots, so the next write never races this read).
+    volatile int* agree = reinterpret_cast<volatile int*>(region + 65536 - 128);
+    for (int it = 0;; ++it) {
+      if (tid == 128) agree[it & 1] = *done;
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      if (agree[it & 1] != 0) break;
+      if constexpr (kNoise == 9) {
+        copy(s2r, sA_view, rA_view);
+        warpgroup_fence_operand(rA);
+      }
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tA); ++kb) {
+        if constexpr (kNoise == 9) {
+          cute::gemm(mma_rs, rA(_, _, kb), tBrs(_, _, kb), acc);
+          mma_rs.accumulate_ = GMMA::ScaleOut::One;
+        } else {
+          cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      ++batches;
+      if constexpr (kPeriod > 0)
+        while (clock64() - t0 < batches * kPeriod) __nanosleep(64);
+    }
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) sum += acc(i);
+    out[gridDim.x * 128 + blockIdx.x * 128 + tid - 128] = sum;
+    if (tid == 128) cycles[gridDim.x + blockIdx.x] = batches * kFlops;
+  } else if (tid == 256) {
+    if constexpr (kNoise == 5 || kNoise == 6) {
+      // Bulk copies into the region's second half (32 KB on), two in flight on two mbarriers.
+      unsigned char* dst = region + 32768;
+      uint64_t* bars = reinterpret_cast<uint64_t*>(region + 65536 - 64);
+      const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+      asm volatile("mbarrier.init.shared.b64 [%0], 1;\n" ::"r"(bar0));
+      asm volatile("mbarrier.init.shared.b64 [%0], 1;\n" ::"r"(bar0 + 8));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      const unsigned char* base = src + size_t(blockIdx.x) * 16 * kCopy;  // 16 chunks per CTA, from L2
+      long long copies = 0;
+      uint32_t phase[2] = {0, 0};
+      auto issue = [&](int slot, long long n) {
+        const uint32_t bar = bar0 + 8 * slot;
+        const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + (slot ? kCopy / 2 : 0)));
+        asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kCopy / 2));
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                     ::"r"(d), "l"(base + (n % 32) * (kCopy / 2)), "r"(kCopy / 2), "r"(bar) : "memory");
+      };
+      issue(0, 0);
+      issue(1, 1);
+      long long n = 2;
+      while (*done == 0) {
+        for (int slot = 0; slot < 2; ++slot) {
+          const uint32_t bar = bar0 + 8 * slot;
+          uint32_t ok = 0;
+          while (!ok)
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+                         : "=r"(ok) : "r"(bar), "r"(phase[slot]) : "memory");
+          phase[slot] ^= 1;
+          copies += kCopy / 2;
+          issue(slot, n++);
+        }
+      }
+      for (int slot = 0; slot < 2; ++slot) {  // drain the two copies in flight
+        uint32_t ok = 0;
+        while (!ok)
+          asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+                       : "=r"(ok) : "r"(bar0 + 8 * slot), "r"(phase[slot]) : "memory");
+      }
+      if (blockIdx.x == 0) cycles[2 * gridDim.x] = copies;
+    }
+  }
+}
+
 // The fused kernel's long-stream scan loop as it is (csrc/fused/fused_kernel.cuh, scan_phase, Config
 // kCh = 2: two channels x 4 states per thread, 4 threads per channel, 64 channels on 128 threads), on
 // hand-off tiles that stay in shared memory: dt and B, C in float32, the x tile in bf16, the y of each
 // 4 tokens reduce-scattered over the channel's 4 threads by shuffles and stored (kStore) to global
 // memory. What separates it from `mix` is the loop's own structure; what separates the fused kernel
 // from it is the tensor-core work, the hand-off barriers and the softplus sharing the SM.
-// kNoise: a second warpgroup (one warp per scheduler) reads shared memory beside the scan, as the
-// tensor cores' operand reads and the TMA's writes do in the fused kernel: 1 = each warp one 16-byte
-// load at a time (a dependent chain: moderate traffic), 2 = independent 16-byte loads (as much
-// shared-memory bandwidth as they can take).
-template <bool kStore, int kNoise = 0>
-__global__ void __launch_bounds__(256, 1) loop64(unsigned* y, long long* cycles, int tokens, float* out) {
-  extern __shared__ float4 sm4[];
+// kNoise: what a second warpgroup (one warp per scheduler) does beside the scan. 1 = shared-memory
+// reads, each warp one 16-byte load at a time (a dependent chain: moderate traffic); 2 = independent
+// 16-byte loads (as much shared-memory bandwidth as they take); 3-9 = the products (products_role).
+// kPrefetch: the loop's shared-memory loads issued one group of 4 tokens ahead.
+template <bool kStore, int kNoise = 0, bool kPrefetch = false>
+__global__ void __launch_bounds__(288, 1) loop64(unsigned* y, long long* cycles, int tokens, float* out,
+                                                 const unsigned char* src) {
+  extern __shared__ __align__(1024) float4 sm4[];
   constexpr int kLdDt = 72, kLdN = 24, kDt = 64;
   float* sdt = reinterpret_cast<float*>(sm4);
   float* sB = sdt + 64 * kLdDt;
@@ -129,8 +267,8 @@ __global__ void __launch_bounds__(256, 1) loop64(unsigned* y, long long* cycles,
   for (int i = tid; i < 4096; i += blockDim.x) noise[i] = make_float4(0.f, 1.f, 2.f, 3.f);
   if (tid == 0) *done = 0;
   __syncthreads();
-  if (tid >= 128) {  // the noise warpgroup
-    if constexpr (kNoise > 0) {
+  if (tid >= 128) {  // the noise warpgroup (and, kNoise == 5 or 6, a copy warp)
+    if constexpr (kNoise == 1 || kNoise == 2) {
       const int lane = tid % 32;
       int idx = (tid - 128) * 32 + lane;
       float a = 0.f;
@@ -153,7 +291,9 @@ __global__ void __launch_bounds__(256, 1) loop64(unsigned* y, long long* cycles,
         }
       }
       out[gridDim.x * 128 + blockIdx.x * 128 + tid - 128] = a + float(idx);
-      if (tid == 128) cycles[gridDim.x + blockIdx.x] = loads;  // per noise warp (all four alike)
+      if (tid == 128) cycles[gridDim.x + blockIdx.x] = loads * 4 * 512;  // bytes: 4 warps x 512 per load
+    } else if constexpr (kNoise >= 3) {
+      products_role<kNoise>(reinterpret_cast<unsigned char*>(noise), done, cycles, src, out);
     }
     return;
   }
@@ -170,25 +310,49 @@ __global__ void __launch_bounds__(256, 1) loop64(unsigned* y, long long* cycles,
     const float* dtp = sdt + c;
     const unsigned short* xp = sx + c;
     unsigned* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * (kDt / 2) + c / 2;
+    // One group's shared-memory operands (4 tokens): dt and x of both channels, 4 states of B and C.
+    struct Raw {
+      float2 d2[4];
+      unsigned xu[4];
+      float4 b4[4], c4[4];
+    };
+    auto load = [&](int tg) {
+      Raw r;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        r.d2[j] = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
+        r.xu[j] = *reinterpret_cast<const unsigned*>(xp + (tg + j) * kDt);
+        r.b4[j] = *reinterpret_cast<const float4*>(sB + (tg + j) * kLdN + n0);
+        r.c4[j] = *reinterpret_cast<const float4*>(sC + (tg + j) * kLdN + n0);
+      }
+      return r;
+    };
+    Raw next;
+    if constexpr (kPrefetch) next = load(0);
 #pragma unroll 4
     for (int tg = 0; tg < 64; tg += 4) {
+      // kPrefetch: the next group's loads are issued before this group's work (the last group of the
+      // tile wraps to the first: the same tile again, as this micro-benchmark reuses it).
+      Raw r;
+      if constexpr (kPrefetch) {
+        r = next;
+        next = load((tg + 4) & 63);
+      } else {
+        r = load(tg);
+      }
       float dt[4][2], dtx[4][2], xv[4][2];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
-        dt[j][0] = d2.x; dt[j][1] = d2.y;
-        const unsigned u = *reinterpret_cast<const unsigned*>(xp + (tg + j) * kDt);
-        xv[j][0] = __uint_as_float(u << 16); xv[j][1] = __uint_as_float(u & 0xffff0000u);
+        dt[j][0] = r.d2[j].x; dt[j][1] = r.d2[j].y;
+        xv[j][0] = __uint_as_float(r.xu[j] << 16); xv[j][1] = __uint_as_float(r.xu[j] & 0xffff0000u);
         dtx[j][0] = dt[j][0] * xv[j][0]; dtx[j][1] = dt[j][1] * xv[j][1];
       }
       float ys[2][4] = {};
       float Bq[4][4], Cq[4][4], dA[4][2][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float4 b4 = *reinterpret_cast<const float4*>(sB + (tg + j) * kLdN + n0);
-        const float4 c4 = *reinterpret_cast<const float4*>(sC + (tg + j) * kLdN + n0);
-        Bq[j][0] = b4.x; Bq[j][1] = b4.y; Bq[j][2] = b4.z; Bq[j][3] = b4.w;
-        Cq[j][0] = c4.x; Cq[j][1] = c4.y; Cq[j][2] = c4.z; Cq[j][3] = c4.w;
+        Bq[j][0] = r.b4[j].x; Bq[j][1] = r.b4[j].y; Bq[j][2] = r.b4[j].z; Bq[j][3] = r.b4[j].w;
+        Cq[j][0] = r.c4[j].x; Cq[j][1] = r.c4[j].y; Cq[j][2] = r.c4[j].z; Cq[j][3] = r.c4[j].w;
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -241,12 +405,13 @@ __global__ void __launch_bounds__(256, 1) loop64(unsigned* y, long long* cycles,
   }
 }
 
-template <bool kStore, int kNoise = 0>
-void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles) {
+template <bool kStore, int kNoise = 0, bool kPrefetch = false>
+void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles, const unsigned char* src) {
   const int smem = 150 * 1024;
-  CHECK(cudaFuncSetAttribute(loop64<kStore, kNoise>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(loop64<kStore, kNoise, kPrefetch>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   for (int rep = 0; rep < 2; ++rep) {
-    loop64<kStore, kNoise><<<sms, kNoise ? 256 : 128, smem>>>(y, cycles, tokens, out);
+    loop64<kStore, kNoise, kPrefetch><<<sms, kNoise == 0 ? 128 : (kNoise == 5 || kNoise == 6 ? 288 : 256), smem>>>(y, cycles, tokens,
+                                                                                                out, src);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
   }
@@ -254,15 +419,24 @@ void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles)
   CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
   long long worst = 0;
   for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
-  long long noise_loads = 0;
-  if (kNoise) CHECK(cudaMemcpy(&noise_loads, cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
+  long long counters[2] = {0, 0};  // CTA 0's noise: bytes read or flops; bytes copied
+  if (kNoise) CHECK(cudaMemcpy(&counters[0], cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
+  if (kNoise == 5 || kNoise == 6) CHECK(cudaMemcpy(&counters[1], cycles + 2 * sms, sizeof(long long), cudaMemcpyDeviceToHost));
   delete[] host;
   const double exps = 128.0 * 8 * tokens;
-  // Each noise load: 32 lanes x 16 bytes; 4 noise warps. Approximate (CTA 0's count over the worst time).
-  if (kNoise) std::printf("  (noise: %.0f bytes of shared memory per SM clock)\n", 4.0 * 512.0 * double(noise_loads) / double(worst));
-  std::printf("fused kernel's loop (2 ch x 4 states, y reduce-scatter%s)%s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n",
+  const char* what[] = {"", " + smem reader, chained", " + smem reader, streaming", " + wgmma, full rate",
+                        " + wgmma, paced", " + wgmma, paced, + bulk copies", " + bulk copies",
+                        " + wgmma N = 32, paced", " + wgmma M = 64, N = 192, paced",
+                        " + wgmma with x from registers (ldmatrix), paced"};
+  if (kNoise == 1 || kNoise == 2)
+    std::printf("  (noise: %.0f bytes of shared memory per SM clock)\n", double(counters[0]) / double(worst));
+  if ((kNoise >= 3 && kNoise <= 5) || kNoise >= 7)
+    std::printf("  (wgmma: %.0f flops per SM clock)\n", double(counters[0]) / double(worst));
+  if (kNoise == 5 || kNoise == 6) std::printf("  (bulk copies: %.0f bytes per SM clock)\n", double(counters[1]) / double(worst));
+  std::printf("fused kernel's loop (2 ch x 4 states, y reduce-scatter%s)%s%s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n",
               kStore ? " + store" : ", no store",
-              kNoise == 0 ? "" : (kNoise == 1 ? " + smem reader, chained" : " + smem reader, streaming"), exps / double(worst), 100.0 * exps / double(worst) / 16.0);
+              what[kNoise],
+              kPrefetch ? ", loads a group ahead" : "", exps / double(worst), 100.0 * exps / double(worst) / 16.0);
 }
 
 int main() {
@@ -271,7 +445,7 @@ int main() {
   float* out;
   long long* cycles;
   CHECK(cudaMalloc(&out, sizeof(float) * sms * 1024));  // loop64 writes 2 x 128 per CTA
-  CHECK(cudaMalloc(&cycles, sizeof(long long) * sms * 2));
+  CHECK(cudaMalloc(&cycles, sizeof(long long) * sms * 3));
   const int tokens = 1 << 14;
   run<8, 4, false>(4, sms, tokens, out, cycles);
   run<8, 4, false>(8, sms, tokens, out, cycles);
@@ -284,10 +458,23 @@ int main() {
   run<16, 2, true>(4, sms, tokens, out, cycles);
   unsigned* y;
   CHECK(cudaMalloc(&y, sizeof(unsigned) * size_t(sms) * 1024 * 32));
-  run_loop64<false>(sms, tokens, y, out, cycles);
-  run_loop64<true>(sms, tokens, y, out, cycles);
-  run_loop64<true, 1>(sms, tokens, y, out, cycles);
-  run_loop64<true, 2>(sms, tokens, y, out, cycles);
+  unsigned char* src;  // what the bulk copies read: 16 x 28 KB per CTA
+  CHECK(cudaMalloc(&src, size_t(sms) * 16 * 28672));
+  CHECK(cudaMemset(src, 0, size_t(sms) * 16 * 28672));
+  run_loop64<false>(sms, tokens, y, out, cycles, src);
+  run_loop64<true>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 1>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 2>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 0, true>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 2, true>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 3>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 4>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 5>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 6>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 7>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 8>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 9>(sms, tokens, y, out, cycles, src);
+  CHECK(cudaFree(src));
   CHECK(cudaFree(y));
   CHECK(cudaFree(out));
   CHECK(cudaFree(cycles));
