@@ -89,6 +89,16 @@ __global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, in
   if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
 }
 
+// The slowest CTA's loop time in SM clocks (cycles[0 .. sms), one per CTA), after a synchronised run.
+long long slowest_cta(const long long* cycles, int sms) {
+  long long* host = new long long[sms];
+  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  long long worst = 0;
+  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
+  delete[] host;
+  return worst;
+}
+
 template <int K, int U, bool kLoads>
 void run(int warps, int sms, int tokens, float* out, long long* cycles) {
   const int threads = warps * 32;
@@ -99,11 +109,7 @@ void run(int warps, int sms, int tokens, float* out, long long* cycles) {
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
   }
-  long long* host = new long long[sms];
-  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-  long long worst = 0;
-  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
-  delete[] host;
+  const long long worst = slowest_cta(cycles, sms);
   const double exps = double(threads) * K * tokens;
   std::printf("%-6s K=%2d U=%d warps/SM=%2d (per scheduler %d): %6.2f exp per SM clock (%.0f%% of MUFU peak)\n",
               kLoads ? "loads" : "regs", K, U, warps, warps / 4, exps / double(worst), 100.0 * exps / double(worst) / 16.0);
@@ -239,9 +245,10 @@ __device__ __forceinline__ void products_role(unsigned char* region, volatile in
   }
 }
 
-// The fused kernel's long-stream scan loop as it is (csrc/fused/fused_kernel.cuh, scan_phase, Config
-// kCh = 2: two channels x 4 states per thread, 4 threads per channel, 64 channels on 128 threads), on
-// hand-off tiles that stay in shared memory: dt and B, C in float32, the x tile in bf16, the y of each
+// The fused kernel's long-stream scan loop as it is (scan_phase in csrc/fused/fused_kernel.cuh with
+// Config kCh = 2: two channels x 4 states per thread, 4 threads per channel, 64 channels on 128
+// threads), copied on purpose: scan_phase runs only inside the kernel's roles and pipelines. It runs
+// on hand-off tiles that stay in shared memory: dt and B, C in float32, the x tile in bf16, the y of each
 // 4 tokens reduce-scattered over the channel's 4 threads by shuffles and stored (kStore) to global
 // memory. What separates it from `mix` is the loop's own structure; what separates the fused kernel
 // from it is the tensor-core work, the hand-off barriers and the softplus sharing the SM.
@@ -415,14 +422,10 @@ void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles,
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
   }
-  long long* host = new long long[sms];
-  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-  long long worst = 0;
-  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
+  const long long worst = slowest_cta(cycles, sms);
   long long counters[2] = {0, 0};  // CTA 0's noise: bytes read or flops; bytes copied
   if (kNoise) CHECK(cudaMemcpy(&counters[0], cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
   if (kNoise == 5 || kNoise == 6) CHECK(cudaMemcpy(&counters[1], cycles + 2 * sms, sizeof(long long), cudaMemcpyDeviceToHost));
-  delete[] host;
   const double exps = 128.0 * 8 * tokens;
   const char* what[] = {"", " + smem reader, chained", " + smem reader, streaming", " + wgmma, full rate",
                         " + wgmma, paced", " + wgmma, paced, + bulk copies", " + bulk copies",
