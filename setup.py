@@ -87,6 +87,9 @@ def extension_modules():
         # wgmma N = 80, 96, ...: the stacked [W_delta; W_B; W_C] tile is kDt + 2N rows, one instruction
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
     ]
+    # Extra nvcc flags for the fused kernel only, e.g. "-Xptxas -v", or the timing-only switches of
+    # benchmarks/ablation/roles.patch.
+    nvcc_fused += os.environ.get("SELSCAN_FUSED_NVCC_FLAGS", "").split()
 
     write_build_info(torch, str(cuda_home), include_dirs[1])
     # _C: the op bindings and the unfused path's scan kernel (no CUTLASS).

@@ -43,3 +43,17 @@ def test_extension_errors_are_catchable():
         "    print('raised:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "raised:" in out.stdout and "x is on cpu" in out.stdout, out.stderr[-2000:]
+
+
+def test_ablation_patch_applies():
+    """benchmarks/ablation/roles.patch (timing-only role switches, docs/perf-notes.md) must keep
+    applying to the kernel as it changes, or the measurements it backs cannot be repeated."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "apply", "--check", "benchmarks/ablation/roles.patch"], cwd=root,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
