@@ -477,6 +477,9 @@ int main() {
   run_loop64<true, 7>(sms, tokens, y, out, cycles, src);
   run_loop64<true, 8>(sms, tokens, y, out, cycles, src);
   run_loop64<true, 9>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 4, true>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 5, true>(sms, tokens, y, out, cycles, src);
+  run_loop64<true, 6, true>(sms, tokens, y, out, cycles, src);
   CHECK(cudaFree(src));
   CHECK(cudaFree(y));
   CHECK(cudaFree(out));
