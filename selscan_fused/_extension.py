@@ -20,6 +20,19 @@ if _C is not None:
     except (ImportError, OSError) as e:
         _fused_load_error = e
 
+if _fused is not None:
+    # A build with the timing-only switches of benchmarks/ablation/roles.patch computes wrong results.
+    try:
+        from . import _build_info as _bi
+        if "SELSCAN_ABLATE_" in getattr(_bi, "FUSED_NVCC_EXTRA_FLAGS", ""):
+            import warnings
+            warnings.warn("selscan_fused: the fused kernel was built with the timing-only ablation switches "
+                          f"({_bi.FUSED_NVCC_EXTRA_FLAGS}): its results are wrong but for the layout switch "
+                          "SELSCAN_ABLATE_TWO_SCAN_WARPGROUPS alone. Rebuild without SELSCAN_FUSED_NVCC_FLAGS.",
+                          stacklevel=2)
+    except ImportError:
+        pass
+
 REBUILD_COMMAND = (
     f"pip install --no-build-isolation --no-deps --force-reinstall {Path(__file__).resolve().parent.parent}"
     "   (in a checkout: pip install --no-build-isolation -e .)"
