@@ -7,8 +7,9 @@
 // per token as the fused kernel does), for several chains per thread (K) and warps per SM (W), and
 // reports exponentials per SM clock (clock64 around the loop; the MUFU peak is 16, four per
 // scheduler). It bounds what any layout of the fused kernel's scan can reach. `loop64` then runs the
-// fused kernel's own loop, alone and beside a second warpgroup (kNoise, below). docs/perf-notes.md,
-// "After v3.7: the scan loop's ceiling, and what sharing the SM with the products costs".
+// fused kernel's own loop, alone and beside a second warpgroup (kNoise, below), and `mix_beside` the
+// bare recurrence beside the products. docs/perf-notes.md, "After v3.7: the scan loop's ceiling, and
+// what sharing the SM with the products costs" and "Any scan layout beside the products".
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -I<cutlass>/include -o scan_ceiling benchmarks/micro/scan_ceiling.cu
@@ -39,13 +40,8 @@ __device__ __forceinline__ float ex2(float x) {
 // K chains per thread, U tokens per unrolled step; kLoads: B and C of each token from shared memory
 // (one 16-byte load per 4 states, the same address across the warp).
 template <int K, int U, bool kLoads>
-__global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, int tokens, float dt0) {
-  extern __shared__ float4 sm[];
-  const int tid = threadIdx.x;
+__device__ __forceinline__ float mix_loop(const float4* sm, int tid, int tokens, float dt0, long long& clocks) {
   static_assert(K % 4 == 0, "whole groups of 4 states");
-  for (int i = tid; i < 64 * (K / 2); i += blockDim.x)
-    sm[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
-  __syncthreads();
   float A[K], h[K], B[K], C[K];
 #pragma unroll
   for (int c = 0; c < K; ++c) {
@@ -81,12 +77,23 @@ __global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, in
       ysum += y0 + y1;
     }
   }
-  const long long t_end = clock64();
+  clocks = clock64() - t_start;
   float s = ysum;
 #pragma unroll
   for (int c = 0; c < K; ++c) s += h[c];
-  out[blockIdx.x * blockDim.x + tid] = s;
-  if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
+  return s;
+}
+
+template <int K, int U, bool kLoads>
+__global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, int tokens, float dt0) {
+  extern __shared__ float4 sm[];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 64 * (K / 2); i += blockDim.x)
+    sm[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
+  __syncthreads();
+  long long clocks = 0;
+  out[blockIdx.x * blockDim.x + tid] = mix_loop<K, U, kLoads>(sm, tid, tokens, dt0, clocks);
+  if (tid == 0) cycles[blockIdx.x] = clocks;
 }
 
 // The slowest CTA's loop time in SM clocks (cycles[0 .. sms), one per CTA), after a synchronised run.
@@ -124,7 +131,7 @@ void run(int warps, int sms, int tokens, float* out, long long* cycles) {
 // shape or operand source. Counters: flops and copied bytes of CTA 0.
 template <int kNoise>
 __device__ __forceinline__ void products_role(unsigned char* region, volatile int* done, long long* cycles,
-                                              const unsigned char* src, float* out) {
+                                              const unsigned char* src, float* out, int tid) {
   using namespace cute;
   using E = cutlass::bfloat16_t;
   // The weight tile's rows (the wgmma's N): 96 as in the kernel at N = 16; 32 (7) and 192 (8) move
@@ -136,7 +143,6 @@ __device__ __forceinline__ void products_role(unsigned char* region, volatile in
   using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<E, E, float, Shape<Int<kM>, Int<kNW>, _64>, GMMA::Major::K,
                                                            GMMA::Major::K>()));
   constexpr int kBytesA = 128 * 64 * 2, kBytesB = 96 * 64 * 2, kCopy = kBytesA + kBytesB;
-  const int tid = threadIdx.x;
   if (tid < 256) {
     if constexpr (kNoise == 6) return;
     E* a_ptr = reinterpret_cast<E*>(region);           // 1024-aligned (region: 64 KB into the buffer)
@@ -164,7 +170,9 @@ __device__ __forceinline__ void products_role(unsigned char* region, volatile in
     long long batches = 0;
     const long long t0 = clock64();
     constexpr long long kFlops = 2LL * kM * kNW * 64;                   // per batch
-    constexpr long long kPeriod = (kNoise == 3) ? 0 : kFlops / 1400;   // clocks per batch
+    // clocks per batch; 10: paced to 2000 flops per clock, the rate S2 <= 0.22 ms would ask of the
+    // products with B and C recomputed per channel tile
+    constexpr long long kPeriod = (kNoise == 3) ? 0 : kFlops / (kNoise == 10 ? 2000 : 1400);
     // wgmma is warpgroup-collective: the four warps must agree on when to stop (one reads the flag,
     // a named barrier hands it to all; two slots, so the next write never races this read).
     volatile int* agree = reinterpret_cast<volatile int*>(region + 65536 - 128);
@@ -300,7 +308,7 @@ __global__ void __launch_bounds__(288, 1) loop64(unsigned* y, long long* cycles,
       out[gridDim.x * 128 + blockIdx.x * 128 + tid - 128] = a + float(idx);
       if (tid == 128) cycles[gridDim.x + blockIdx.x] = loads * 4 * 512;  // bytes: 4 warps x 512 per load
     } else if constexpr (kNoise >= 3) {
-      products_role<kNoise>(reinterpret_cast<unsigned char*>(noise), done, cycles, src, out);
+      products_role<kNoise>(reinterpret_cast<unsigned char*>(noise), done, cycles, src, out, tid);
     }
     return;
   }
@@ -442,6 +450,60 @@ void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles,
               kPrefetch ? ", loads a group ahead" : "", exps / double(worst), 100.0 * exps / double(worst) / 16.0);
 }
 
+// The bare recurrence (mix_loop) on `warps` scan warps, beside the products of products_role<kNoise>
+// on one more warpgroup (one warp per scheduler): what any scan layout can reach while the tensor
+// cores work on the same SM.
+template <int K, int U, bool kLoads, int kNoise>
+__global__ void __launch_bounds__(416, 1) mix_beside(float* out, long long* cycles, int tokens, float dt0,
+                                                     const unsigned char* src, int scan_threads) {
+  extern __shared__ __align__(1024) float4 sm4[];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 64 * (K / 2); i += blockDim.x)
+    sm4[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
+  float4* noise = sm4 + 4096;  // 64 KB on
+  volatile int* done = reinterpret_cast<volatile int*>(noise + 4096);
+  for (int i = tid; i < 4096; i += blockDim.x) noise[i] = make_float4(0.f, 1.f, 2.f, 3.f);
+  if (tid == 0) *done = 0;
+  __syncthreads();
+  if (tid >= scan_threads) {
+    products_role<kNoise>(reinterpret_cast<unsigned char*>(noise), done, cycles, src, out, tid - scan_threads + 128);
+    return;
+  }
+  long long clocks = 0;
+  const long long t0 = clock64();
+  out[blockIdx.x * 128 + tid % 128] = mix_loop<K, U, kLoads>(sm4, tid, tokens, dt0, clocks);
+  asm volatile("bar.sync 2, %0;\n" ::"r"(scan_threads) : "memory");  // every scan warp is done
+  if (tid == 0) {
+    cycles[blockIdx.x] = clock64() - t0;
+    *done = 1;
+  }
+}
+
+template <int K, int U, bool kLoads, int kNoise>
+void run_beside(int warps, int sms, int tokens, float* out, long long* cycles, const unsigned char* src) {
+  const int smem = 150 * 1024;
+  auto kern = mix_beside<K, U, kLoads, kNoise>;
+  CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  for (int rep = 0; rep < 2; ++rep) {
+    kern<<<sms, warps * 32 + (kNoise == 5 ? 160 : 128), smem>>>(out, cycles, tokens, 0.01f, src, warps * 32);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  const long long worst = slowest_cta(cycles, sms);
+  long long flops = 0, copied = 0;
+  CHECK(cudaMemcpy(&flops, cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
+  if (kNoise == 5) {
+    CHECK(cudaMemcpy(&copied, cycles + 2 * sms, sizeof(long long), cudaMemcpyDeviceToHost));
+    std::printf("  (bulk copies: %.0f bytes per SM clock)\n", double(copied) / double(worst));
+  }
+  const double exps = double(warps * 32) * K * tokens;
+  std::printf("%-6s K=%2d U=%d warps/SM=%2d (per scheduler %d) + wgmma %-14s: %6.2f exp per SM clock (%.0f%% of MUFU peak; "
+              "wgmma %.0f flops per SM clock)\n",
+              kLoads ? "loads" : "regs", K, U, warps, warps / 4,
+              kNoise == 3 ? "full rate" : (kNoise == 10 ? "paced to 2000" : (kNoise == 5 ? "1400 + copies" : "paced to 1400")), exps / double(worst),
+              100.0 * exps / double(worst) / 16.0, double(flops) / double(worst));
+}
+
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -480,6 +542,21 @@ int main() {
   run_loop64<true, 4, true>(sms, tokens, y, out, cycles, src);
   run_loop64<true, 5, true>(sms, tokens, y, out, cycles, src);
   run_loop64<true, 6, true>(sms, tokens, y, out, cycles, src);
+  // The bare recurrence beside the products (mix_beside): 1 and 2 scan warps per scheduler.
+  run_beside<8, 4, false, 4>(4, sms, tokens, out, cycles, src);
+  run_beside<8, 4, false, 4>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, true, 4>(4, sms, tokens, out, cycles, src);
+  run_beside<8, 4, true, 4>(8, sms, tokens, out, cycles, src);
+  run_beside<4, 8, true, 4>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, false, 10>(4, sms, tokens, out, cycles, src);
+  run_beside<8, 4, false, 10>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, true, 10>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, false, 3>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, true, 3>(8, sms, tokens, out, cycles, src);
+  run_beside<4, 8, true, 10>(8, sms, tokens, out, cycles, src);
+  run_beside<4, 8, true, 3>(8, sms, tokens, out, cycles, src);
+  run_beside<4, 8, true, 5>(8, sms, tokens, out, cycles, src);
+  run_beside<8, 4, true, 5>(4, sms, tokens, out, cycles, src);
   CHECK(cudaFree(src));
   CHECK(cudaFree(y));
   CHECK(cudaFree(out));
