@@ -1,0 +1,196 @@
+// The fused kernel's narrow scan loop (16 channels per CTA, 8 threads per channel with 2 states each,
+// one warp per scheduler: the layout S1 and S5 run, Config<E, 16, false, 1, 16>) alone on every SM, and
+// variants of it, in exponentials per SM clock (clock64 around the loop; the MUFU peak is 16).
+// The bare recurrence with the same 256 chains per SM reaches 11.2 exponentials per clock
+// (scan_ceiling.cu, 2 chains per thread on 4 warps); the kernel's S1 runs at ~5 (docs/perf-notes.md,
+// v3.7 and "The narrow loop alone").
+//
+// Variants (kVar):
+//   0  the kernel's loop as it is (scan_phase, kNarrow): (dt, dt * x) pairs and B, C by token pairs
+//      from the hand-off tile, 16 exponentials per group of 8 tokens, y reduce-scattered over the 8
+//      threads of a channel by 3 levels of shuffles (7 shuffles, 14 selects), D * x, bf16 store;
+//   1  y transposed through shared memory instead (each thread writes its 8 partial sums, reads the
+//      8 partial sums of its token: no selects, no shuffles);
+//   2  the next group's loads and exponentials issued before this group's chains (software-pipelined
+//      across the loop's back edge, which ptxas does not schedule across);
+//   3  1 and 2.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
+//   ./narrow_loop
+#include <cstdio>
+#include <cstdlib>
+
+#define CHECK(x)                                                                         \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr int kT = 64, kDt = 16, kLdDt = 2 * kDt + 8, kLdBP = 2 * 16 + 8, kG = 8, kW = 4, kLdRed = 72;
+
+// One group's operands: (dt, dt * x) of 8 tokens, B and C of 8 tokens x 2 states, the 16 decays.
+struct Group {
+  float dtx[kG], B[kG][2], C[kG][2], dA[kG][2];
+};
+
+__device__ __forceinline__ Group load_group(const float* dtp, const float* bp, const float* cp, int tg,
+                                            const float (&A2)[2]) {
+  Group r;
+  float dt[kG];
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
+    dt[j] = d2.x;
+    r.dtx[j] = d2.y;
+  }
+#pragma unroll
+  for (int j = 0; j < kG; j += 2) {
+    const float4 b4 = *reinterpret_cast<const float4*>(bp + ((tg + j) / 2) * kLdBP);
+    const float4 c4 = *reinterpret_cast<const float4*>(cp + ((tg + j) / 2) * kLdBP);
+    r.B[j][0] = b4.x; r.B[j][1] = b4.y; r.B[j + 1][0] = b4.z; r.B[j + 1][1] = b4.w;
+    r.C[j][0] = c4.x; r.C[j][1] = c4.y; r.C[j + 1][0] = c4.z; r.C[j + 1][1] = c4.w;
+  }
+#pragma unroll
+  for (int j = 0; j < kG; ++j)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) r.dA[j][n] = ex2(dt[j] * A2[n]);
+  return r;
+}
+
+template <int kVar>
+__global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* cycles, int tokens, float* out) {
+  constexpr bool kSmemReduce = kVar & 1, kAhead = kVar & 2;
+  extern __shared__ __align__(1024) float4 sm4[];
+  float* sdt = reinterpret_cast<float*>(sm4);      // [64 tokens][kLdDt]: (dt, dt * x) per channel
+  float* sB = sdt + kT * kLdDt;                    // [32 token pairs][kLdBP]
+  float* sC = sB + (kT / 2) * kLdBP;
+  unsigned short* sx = reinterpret_cast<unsigned short*>(sC + (kT / 2) * kLdBP);  // [64][16] bf16
+  float* sred = reinterpret_cast<float*>(sx + kT * kDt);  // [2 buffers][4 warps][4 channels][kLdRed]
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kT * kLdDt; i += blockDim.x) sdt[i] = (i % 2) ? 0.011f + 1e-5f * (i % 97) : 0.01f + 1e-5f * (i % 89);
+  for (int i = tid; i < (kT / 2) * kLdBP; i += blockDim.x) { sB[i] = 0.5f + 1e-3f * (i % 13); sC[i] = 1.f - 1e-3f * (i % 11); }
+  for (int i = tid; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+  __syncthreads();
+  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
+  float A2[2], h[2] = {0.f, 0.f};
+  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
+  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
+  const float dskip = 1.f + 0.001f * c;
+  float acc = 0.f;
+  const float* dtp = sdt + 2 * c;
+  const float* bp = sB + g * 4;
+  const float* cp = sC + g * 4;
+  const long long t_start = clock64();
+  for (int t0 = 0; t0 < tokens; t0 += kT) {
+    unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c;
+    Group next;
+    if constexpr (kAhead) next = load_group(dtp, bp, cp, 0, A2);
+#pragma unroll 4
+    for (int tg = 0; tg < kT; tg += kG) {
+      Group r;
+      if constexpr (kAhead) {
+        r = next;
+        if (tg + kG < kT) next = load_group(dtp, bp, cp, tg + kG, A2);
+      } else {
+        r = load_group(dtp, bp, cp, tg, A2);
+      }
+      float ys[kG];
+#pragma unroll
+      for (int j = 0; j < kG; ++j) ys[j] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kG; ++j)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
+          ys[j] = fmaf(r.C[j][n], h[n], ys[j]);
+        }
+      float total;
+      if constexpr (kSmemReduce) {
+        // Thread (channel cl, group g) writes its 8 partial sums; then sums the 8 threads' partial
+        // sums of token g. Rows of kLdRed = 72 floats: the reads of a warp hit 32 banks.
+        float* red = sred + ((tg / kG) % 2) * (4 * 4 * kLdRed) + (warp * 4 + cl) * kLdRed;
+        *reinterpret_cast<float4*>(red + g * 8) = make_float4(ys[0], ys[1], ys[2], ys[3]);
+        *reinterpret_cast<float4*>(red + g * 8 + 4) = make_float4(ys[4], ys[5], ys[6], ys[7]);
+        __syncwarp();
+        float s[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[k] = red[k * 8 + g];
+        total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+      } else {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = ys[j];
+#pragma unroll
+        for (int w = 4; w >= 1; w /= 2) {
+          const bool hi = g & w;
+#pragma unroll
+          for (int i = 0; i < w; ++i) {
+            const float keep = hi ? v[i + w] : v[i], send = hi ? v[i] : v[i + w];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW * w);
+          }
+        }
+        total = v[0];
+      }
+      const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
+      const float o = fmaf(dskip, xg, total);
+      *yp = static_cast<unsigned short>(__float_as_uint(o) >> 16);
+      yp += kG * kDt;
+    }
+  }
+  const long long t_end = clock64();
+  acc += h[0] + h[1];
+  out[blockIdx.x * 128 + tid] = acc;
+  if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
+}
+
+template <int kVar>
+void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
+  const int smem = 64 * 1024;
+  CHECK(cudaFuncSetAttribute(loop16<kVar>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  for (int rep = 0; rep < 2; ++rep) {
+    loop16<kVar><<<sms, 128, smem>>>(y, cycles, tokens, out);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  long long* host = new long long[sms];
+  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  long long worst = 0;
+  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
+  delete[] host;
+  const double exps = 128.0 * 2 * tokens;
+  const char* what[] = {"the kernel's loop", "y through shared memory", "next group's loads and exps ahead",
+                        "both"};
+  std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", what[kVar], exps / double(worst),
+              100.0 * exps / double(worst) / 16.0);
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float* out;
+  long long* cycles;
+  unsigned short* y;
+  CHECK(cudaMalloc(&out, sizeof(float) * sms * 128));
+  CHECK(cudaMalloc(&cycles, sizeof(long long) * sms));
+  CHECK(cudaMalloc(&y, sizeof(unsigned short) * size_t(sms) * 1024 * kDt));
+  const int tokens = 1 << 14;
+  for (int round = 0; round < 2; ++round) {
+    run<0>(sms, tokens, y, out, cycles);
+    run<1>(sms, tokens, y, out, cycles);
+    run<2>(sms, tokens, y, out, cycles);
+    run<3>(sms, tokens, y, out, cycles);
+  }
+  CHECK(cudaFree(y));
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(out));
+  return 0;
+}
