@@ -13,7 +13,11 @@
 //      8 partial sums of its token: no selects, no shuffles);
 //   2  the next group's loads and exponentials issued before this group's chains (software-pipelined
 //      across the loop's back edge, which ptxas does not schedule across);
-//   3  1 and 2.
+//   3  1 and 2;
+//   4  as 0 without the reduce-scatter and the store (each thread sums its partial sums): what the y
+//      reduction costs;
+//   5  as 0 with B and C loaded once per tile instead of per token pair (the same values every group):
+//      what the B and C loads cost.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
 //   ./narrow_loop
@@ -68,7 +72,8 @@ __device__ __forceinline__ Group load_group(const float* dtp, const float* bp, c
 
 template <int kVar>
 __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* cycles, int tokens, float* out) {
-  constexpr bool kSmemReduce = kVar & 1, kAhead = kVar & 2;
+  constexpr bool kSmemReduce = kVar == 1 || kVar == 3, kAhead = kVar == 2 || kVar == 3;
+  constexpr bool kNoReduce = kVar == 4, kBCOnce = kVar == 5;
   extern __shared__ __align__(1024) float4 sm4[];
   float* sdt = reinterpret_cast<float*>(sm4);      // [64 tokens][kLdDt]: (dt, dt * x) per channel
   float* sB = sdt + kT * kLdDt;                    // [32 token pairs][kLdBP]
@@ -89,6 +94,8 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
   const float* dtp = sdt + 2 * c;
   const float* bp = sB + g * 4;
   const float* cp = sC + g * 4;
+  Group bc0;
+  if constexpr (kBCOnce) bc0 = load_group(dtp, bp, cp, 0, A2);
   const long long t_start = clock64();
   for (int t0 = 0; t0 < tokens; t0 += kT) {
     unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c;
@@ -101,7 +108,18 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
         r = next;
         if (tg + kG < kT) next = load_group(dtp, bp, cp, tg + kG, A2);
       } else {
-        r = load_group(dtp, bp, cp, tg, A2);
+        if constexpr (kBCOnce) {  // dt and dt * x of this group; B and C stay those of group 0
+          r = bc0;
+#pragma unroll
+          for (int j = 0; j < kG; ++j) {
+            const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
+            r.dtx[j] = d2.y;
+#pragma unroll
+            for (int n = 0; n < 2; ++n) r.dA[j][n] = ex2(d2.x * A2[n]);
+          }
+        } else {
+          r = load_group(dtp, bp, cp, tg, A2);
+        }
       }
       float ys[kG];
 #pragma unroll
@@ -113,8 +131,12 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
           h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
           ys[j] = fmaf(r.C[j][n], h[n], ys[j]);
         }
-      float total;
-      if constexpr (kSmemReduce) {
+      float total = 0.f;
+      if constexpr (kNoReduce) {
+#pragma unroll
+        for (int j = 0; j < kG; ++j) acc += ys[j];
+        continue;
+      } else if constexpr (kSmemReduce) {
         // Thread (channel cl, group g) writes its 8 partial sums; then sums the 8 threads' partial
         // sums of token g. Rows of kLdRed = 72 floats: the reads of a warp hit 32 banks.
         float* red = sred + ((tg / kG) % 2) * (4 * 4 * kLdRed) + (warp * 4 + cl) * kLdRed;
@@ -168,7 +190,7 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
   delete[] host;
   const double exps = 128.0 * 2 * tokens;
   const char* what[] = {"the kernel's loop", "y through shared memory", "next group's loads and exps ahead",
-                        "both"};
+                        "both", "no y reduction, no store", "B and C once per tile"};
   std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", what[kVar], exps / double(worst),
               100.0 * exps / double(worst) / 16.0);
 }
@@ -188,6 +210,8 @@ int main() {
     run<1>(sms, tokens, y, out, cycles);
     run<2>(sms, tokens, y, out, cycles);
     run<3>(sms, tokens, y, out, cycles);
+    run<4>(sms, tokens, y, out, cycles);
+    run<5>(sms, tokens, y, out, cycles);
   }
   CHECK(cudaFree(y));
   CHECK(cudaFree(cycles));
