@@ -17,7 +17,8 @@
 //   4  as 0 without the reduce-scatter and the store (each thread sums its partial sums): what the y
 //      reduction costs;
 //   5  as 0 with B and C loaded once per tile instead of per token pair (the same values every group):
-//      what the B and C loads cost.
+//      what the B and C loads cost;
+//   loop16_helpers: the partial sums of y stored to shared memory and summed by two helper warps.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
 //   ./narrow_loop
@@ -174,6 +175,103 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
   if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
 }
 
+// Variant 6: y summed off the loop. The scan writes each thread's partial sums of y to a 2-stage ring
+// in shared memory, [channel][token][state group] (rows of 8 floats per token, channels kLdPart
+// floats apart: one STS per token, conflict-free), and moves on; two helper warps (threads 128-191:
+// in the kernel, the producer warpgroup's idle warps 2 and 3) add the 8 partial sums of each
+// (token, channel) with two 16-byte loads, add D * x and store y (16 channels of a token together).
+// Named barriers per stage: 1 + s full (scan -> helpers), 3 + s empty (helpers -> scan).
+constexpr int kLdPart = kT * 8 + 8;  // floats per channel: 64 tokens x 8 partial sums, + 8 (banks)
+template <bool kHelpersIdle>
+__global__ void __launch_bounds__(192, 1) loop16_helpers(unsigned short* y, long long* cycles, int tokens,
+                                                         float* out) {
+  extern __shared__ __align__(1024) float4 sm4[];
+  float* sdt = reinterpret_cast<float*>(sm4);
+  float* sB = sdt + kT * kLdDt;
+  float* sC = sB + (kT / 2) * kLdBP;
+  unsigned short* sx = reinterpret_cast<unsigned short*>(sC + (kT / 2) * kLdBP);
+  float* spart = reinterpret_cast<float*>(sx + kT * kDt);  // [2][16 channels][kLdPart]
+  constexpr int kStage = kDt * kLdPart;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kT * kLdDt; i += blockDim.x) sdt[i] = (i % 2) ? 0.011f + 1e-5f * (i % 97) : 0.01f + 1e-5f * (i % 89);
+  for (int i = tid; i < (kT / 2) * kLdBP; i += blockDim.x) { sB[i] = 0.5f + 1e-3f * (i % 13); sC[i] = 1.f - 1e-3f * (i % 11); }
+  for (int i = tid; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+  __syncthreads();
+  const long long t_start = clock64();
+  if (tid >= 128) {  // helpers: 64 threads; item = (token, channel), channel fastest; 16 items each per tile
+    const int ht = tid - 128, ch = ht % 16;
+    const float dskip = 1.f + 0.001f * ch;
+    asm volatile("bar.arrive 3, 192;\n" ::: "memory");
+    asm volatile("bar.arrive 4, 192;\n" ::: "memory");
+    int tile = 0;
+    for (int t0 = 0; t0 < tokens; t0 += kT, ++tile) {
+      const int st = tile % 2;
+      if (st == 0) asm volatile("bar.sync 1, 192;\n" ::: "memory"); else asm volatile("bar.sync 2, 192;\n" ::: "memory");
+      const float* part = spart + st * kStage + ch * kLdPart;
+      unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023)) * kDt + ch;
+#pragma unroll 4
+      for (int t = ht / 16; t < (kHelpersIdle ? 0 : kT); t += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(part + t * 8);
+        const float4 b = *reinterpret_cast<const float4*>(part + t * 8 + 4);
+        const float total = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+        const float xg = __uint_as_float(unsigned(sx[t * kDt + ch]) << 16);
+        yp[t * kDt] = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
+      }
+      if (st == 0) asm volatile("bar.arrive 3, 192;\n" ::: "memory"); else asm volatile("bar.arrive 4, 192;\n" ::: "memory");
+    }
+    if (tid == 128) cycles[blockIdx.x] = clock64() - t_start;
+    return;
+  }
+  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
+  float A2[2], h[2] = {0.f, 0.f};
+  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
+  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
+  const float* dtp = sdt + 2 * c;
+  const float* bp = sB + g * 4;
+  const float* cp = sC + g * 4;
+  int tile = 0;
+  for (int t0 = 0; t0 < tokens; t0 += kT, ++tile) {
+    const int st = tile % 2;
+    if (st == 0) asm volatile("bar.sync 3, 192;\n" ::: "memory"); else asm volatile("bar.sync 4, 192;\n" ::: "memory");
+    float* part = spart + st * kStage + c * kLdPart + g;
+#pragma unroll 4
+    for (int tg = 0; tg < kT; tg += kG) {
+      const Group r = load_group(dtp, bp, cp, tg, A2);
+#pragma unroll
+      for (int j = 0; j < kG; ++j) {
+        float yj = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
+          yj = fmaf(r.C[j][n], h[n], yj);
+        }
+        part[(tg + j) * 8] = yj;
+      }
+    }
+    if (st == 0) asm volatile("bar.arrive 1, 192;\n" ::: "memory"); else asm volatile("bar.arrive 2, 192;\n" ::: "memory");
+  }
+  out[blockIdx.x * 128 + tid] = h[0] + h[1];
+}
+
+template <bool kHelpersIdle>
+void run_helpers(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
+  const int smem = 160 * 1024;
+  CHECK(cudaFuncSetAttribute(loop16_helpers<kHelpersIdle>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  for (int rep = 0; rep < 2; ++rep) {
+    loop16_helpers<kHelpersIdle><<<sms, 192, smem>>>(y, cycles, tokens, out);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  long long* host = new long long[sms];
+  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  long long worst = 0;
+  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
+  delete[] host;
+  const double exps = 128.0 * 2 * tokens;
+  std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", kHelpersIdle ? "partial sums written, helpers idle" : "y summed by two helper warps",
+              exps / double(worst), 100.0 * exps / double(worst) / 16.0);
+}
+
 template <int kVar>
 void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
   const int smem = 64 * 1024;
@@ -212,6 +310,8 @@ int main() {
     run<3>(sms, tokens, y, out, cycles);
     run<4>(sms, tokens, y, out, cycles);
     run<5>(sms, tokens, y, out, cycles);
+    run_helpers<false>(sms, tokens, y, out, cycles);
+    run_helpers<true>(sms, tokens, y, out, cycles);
   }
   CHECK(cudaFree(y));
   CHECK(cudaFree(cycles));
