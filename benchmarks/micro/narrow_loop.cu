@@ -27,20 +27,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "micro_common.cuh"
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+
 
 constexpr int kT = 64, kDt = 16, kLdDt = 2 * kDt + 8, kLdBP = 2 * 16 + 8, kG = 8, kW = 4, kLdRed = 72;
 
@@ -286,37 +275,17 @@ __global__ void __launch_bounds__(192, 1) loop16_helpers(unsigned short* y, long
 
 template <bool kHelpersIdle>
 void run_helpers(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
-  const int smem = 160 * 1024;
-  CHECK(cudaFuncSetAttribute(loop16_helpers<kHelpersIdle>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  for (int rep = 0; rep < 2; ++rep) {
-    loop16_helpers<kHelpersIdle><<<sms, 192, smem>>>(y, cycles, tokens, out);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-  }
-  long long* host = new long long[sms];
-  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-  long long worst = 0;
-  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
-  delete[] host;
+  const long long worst = slowest_of_two_launches(loop16_helpers<kHelpersIdle>, sms, 192, 160 * 1024, cycles, y,
+                                                  cycles, tokens, out);
   const double exps = 128.0 * 2 * tokens;
-  std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", kHelpersIdle ? "partial sums written, helpers idle" : "y summed by two helper warps",
+  std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n",
+              kHelpersIdle ? "partial sums written, helpers idle" : "y summed by two helper warps",
               exps / double(worst), 100.0 * exps / double(worst) / 16.0);
 }
 
 template <int kVar>
 void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
-  const int smem = 64 * 1024;
-  CHECK(cudaFuncSetAttribute(loop16<kVar>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  for (int rep = 0; rep < 2; ++rep) {
-    loop16<kVar><<<sms, 128, smem>>>(y, cycles, tokens, out);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-  }
-  long long* host = new long long[sms];
-  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-  long long worst = 0;
-  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
-  delete[] host;
+  const long long worst = slowest_of_two_launches(loop16<kVar>, sms, 128, 64 * 1024, cycles, y, cycles, tokens, out);
   const double exps = 128.0 * 2 * tokens;
   const char* what[] = {"the kernel's loop", "y through shared memory", "next group's loads and exps ahead",
                         "both", "no y reduction, no store", "B and C once per tile", "",

@@ -18,24 +18,13 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "micro_common.cuh"
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // K chains per thread, U tokens per unrolled step; kLoads: B and C of each token from shared memory
 // (one 16-byte load per 4 states, the same address across the warp).
@@ -96,27 +85,13 @@ __global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, in
   if (tid == 0) cycles[blockIdx.x] = clocks;
 }
 
-// The slowest CTA's loop time in SM clocks (cycles[0 .. sms), one per CTA), after a synchronised run.
-long long slowest_cta(const long long* cycles, int sms) {
-  long long* host = new long long[sms];
-  CHECK(cudaMemcpy(host, cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-  long long worst = 0;
-  for (int i = 0; i < sms; ++i) worst = host[i] > worst ? host[i] : worst;
-  delete[] host;
-  return worst;
-}
 
 template <int K, int U, bool kLoads>
 void run(int warps, int sms, int tokens, float* out, long long* cycles) {
   const int threads = warps * 32;
-  const int smem = 150 * 1024;  // one CTA per SM
-  CHECK(cudaFuncSetAttribute(mix<K, U, kLoads>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
-    mix<K, U, kLoads><<<sms, threads, smem>>>(out, cycles, tokens, 0.01f);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-  }
-  const long long worst = slowest_cta(cycles, sms);
+  // 150 KB of shared memory: one CTA per SM
+  const long long worst = slowest_of_two_launches(mix<K, U, kLoads>, sms, threads, 150 * 1024, cycles, out, cycles,
+                                                  tokens, 0.01f);
   const double exps = double(threads) * K * tokens;
   std::printf("%-6s K=%2d U=%d warps/SM=%2d (per scheduler %d): %6.2f exp per SM clock (%.0f%% of MUFU peak)\n",
               kLoads ? "loads" : "regs", K, U, warps, warps / 4, exps / double(worst), 100.0 * exps / double(worst) / 16.0);
@@ -422,15 +397,9 @@ __global__ void __launch_bounds__(288, 1) loop64(unsigned* y, long long* cycles,
 
 template <bool kStore, int kNoise = 0, bool kPrefetch = false>
 void run_loop64(int sms, int tokens, unsigned* y, float* out, long long* cycles, const unsigned char* src) {
-  const int smem = 150 * 1024;
-  CHECK(cudaFuncSetAttribute(loop64<kStore, kNoise, kPrefetch>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  for (int rep = 0; rep < 2; ++rep) {
-    loop64<kStore, kNoise, kPrefetch><<<sms, kNoise == 0 ? 128 : (kNoise == 5 || kNoise == 6 ? 288 : 256), smem>>>(y, cycles, tokens,
-                                                                                                out, src);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-  }
-  const long long worst = slowest_cta(cycles, sms);
+  const int threads = kNoise == 0 ? 128 : (kNoise == 5 || kNoise == 6 ? 288 : 256);
+  const long long worst = slowest_of_two_launches(loop64<kStore, kNoise, kPrefetch>, sms, threads, 150 * 1024, cycles,
+                                                  y, cycles, tokens, out, src);
   long long counters[2] = {0, 0};  // CTA 0's noise: bytes read or flops; bytes copied
   if (kNoise) CHECK(cudaMemcpy(&counters[0], cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
   if (kNoise == 5 || kNoise == 6) CHECK(cudaMemcpy(&counters[1], cycles + 2 * sms, sizeof(long long), cudaMemcpyDeviceToHost));
@@ -481,15 +450,9 @@ __global__ void __launch_bounds__(416, 1) mix_beside(float* out, long long* cycl
 
 template <int K, int U, bool kLoads, int kNoise>
 void run_beside(int warps, int sms, int tokens, float* out, long long* cycles, const unsigned char* src) {
-  const int smem = 150 * 1024;
-  auto kern = mix_beside<K, U, kLoads, kNoise>;
-  CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  for (int rep = 0; rep < 2; ++rep) {
-    kern<<<sms, warps * 32 + (kNoise == 5 ? 160 : 128), smem>>>(out, cycles, tokens, 0.01f, src, warps * 32);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-  }
-  const long long worst = slowest_cta(cycles, sms);
+  const long long worst = slowest_of_two_launches(mix_beside<K, U, kLoads, kNoise>, sms,
+                                                  warps * 32 + (kNoise == 5 ? 160 : 128), 150 * 1024, cycles, out,
+                                                  cycles, tokens, 0.01f, src, warps * 32);
   long long flops = 0, copied = 0;
   CHECK(cudaMemcpy(&flops, cycles + sms, sizeof(long long), cudaMemcpyDeviceToHost));
   if (kNoise == 5) {
