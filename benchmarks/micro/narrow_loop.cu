@@ -62,6 +62,32 @@ __device__ __forceinline__ Group load_group(const float* dtp, const float* bp, c
   return r;
 }
 
+// The y reduce-scatter of the kernel's narrow loop: over the 8 threads of a channel (lanes kW apart),
+// halving the tokens at each level; thread g ends with the sum for token g of the group.
+__device__ __forceinline__ float reduce_scatter8(float (&v)[8], int g) {
+#pragma unroll
+  for (int w = 4; w >= 1; w /= 2) {
+    const bool hi = g & w;
+#pragma unroll
+    for (int i = 0; i < w; ++i) {
+      const float keep = hi ? v[i + w] : v[i], send = hi ? v[i] : v[i + w];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW * w);
+    }
+  }
+  return v[0];
+}
+
+// Hand-off tiles with fixed values (the loop reads the same tile for every 64 tokens).
+__device__ __forceinline__ void fill_tiles(float* sdt, float* sB, float* sC, unsigned short* sx) {
+  for (int i = threadIdx.x; i < kT * kLdDt; i += blockDim.x)
+    sdt[i] = (i % 2) ? 0.011f + 1e-5f * (i % 97) : 0.01f + 1e-5f * (i % 89);
+  for (int i = threadIdx.x; i < (kT / 2) * kLdBP; i += blockDim.x) {
+    sB[i] = 0.5f + 1e-3f * (i % 13);
+    sC[i] = 1.f - 1e-3f * (i % 11);
+  }
+  for (int i = threadIdx.x; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+}
+
 template <int kVar>
 __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* cycles, int tokens, float* out) {
   constexpr bool kSmemReduce = kVar == 1 || kVar == 3, kAhead = kVar == 2 || kVar == 3;
@@ -73,9 +99,7 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
   unsigned short* sx = reinterpret_cast<unsigned short*>(sC + (kT / 2) * kLdBP);  // [64][16] bf16
   float* sred = reinterpret_cast<float*>(sx + kT * kDt);  // [2 buffers][4 warps][4 channels][kLdRed]
   const int tid = threadIdx.x;
-  for (int i = tid; i < kT * kLdDt; i += blockDim.x) sdt[i] = (i % 2) ? 0.011f + 1e-5f * (i % 97) : 0.01f + 1e-5f * (i % 89);
-  for (int i = tid; i < (kT / 2) * kLdBP; i += blockDim.x) { sB[i] = 0.5f + 1e-3f * (i % 13); sC[i] = 1.f - 1e-3f * (i % 11); }
-  for (int i = tid; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+  fill_tiles(sdt, sB, sC, sx);
   __syncthreads();
   const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
   float A2[2], h[2] = {0.f, 0.f};
@@ -132,17 +156,9 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) { v[j] = prev[j]; prev[j] = ys[j]; }
-#pragma unroll
-        for (int w = 4; w >= 1; w /= 2) {
-          const bool hi = g & w;
-#pragma unroll
-          for (int i = 0; i < w; ++i) {
-            const float keep = hi ? v[i + w] : v[i], send = hi ? v[i] : v[i + w];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW * w);
-          }
-        }
+        const float sum = reduce_scatter8(v, g);
         const float xg = __uint_as_float(unsigned(sx[prev_x]) << 16);
-        if (prev_yp != nullptr) *prev_yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, v[0])) >> 16);
+        if (prev_yp != nullptr) *prev_yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, sum)) >> 16);
         prev_yp = yp;
         prev_x = (tg + g) * kDt + c;
         yp += kG * kDt;
@@ -167,16 +183,7 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = ys[j];
-#pragma unroll
-        for (int w = 4; w >= 1; w /= 2) {
-          const bool hi = g & w;
-#pragma unroll
-          for (int i = 0; i < w; ++i) {
-            const float keep = hi ? v[i + w] : v[i], send = hi ? v[i] : v[i + w];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW * w);
-          }
-        }
-        total = v[0];
+        total = reduce_scatter8(v, g);
       }
       const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
       const float o = fmaf(dskip, xg, total);
@@ -213,9 +220,7 @@ __global__ void __launch_bounds__(192, 1) loop16_helpers(unsigned short* y, long
   float* spart = reinterpret_cast<float*>(sx + kT * kDt);  // [2][16 channels][kLdPart]
   constexpr int kStage = kDt * kLdPart;
   const int tid = threadIdx.x;
-  for (int i = tid; i < kT * kLdDt; i += blockDim.x) sdt[i] = (i % 2) ? 0.011f + 1e-5f * (i % 97) : 0.01f + 1e-5f * (i % 89);
-  for (int i = tid; i < (kT / 2) * kLdBP; i += blockDim.x) { sB[i] = 0.5f + 1e-3f * (i % 13); sC[i] = 1.f - 1e-3f * (i % 11); }
-  for (int i = tid; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+  fill_tiles(sdt, sB, sC, sx);
   __syncthreads();
   const long long t_start = clock64();
   if (tid >= 128) {  // helpers: 64 threads; item = (token, channel), channel fastest; 16 items each per tile
