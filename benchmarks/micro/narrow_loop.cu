@@ -29,8 +29,6 @@
 
 #include "micro_common.cuh"
 
-
-
 constexpr int kT = 64, kDt = 16, kLdDt = 2 * kDt + 8, kLdBP = 2 * 16 + 8, kG = 8, kW = 4, kLdRed = 72;
 
 // One group's operands: (dt, dt * x) of 8 tokens, B and C of 8 tokens x 2 states, the 16 decays.
@@ -293,8 +291,8 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
   const long long worst = slowest_of_two_launches(loop16<kVar>, sms, 128, 64 * 1024, cycles, y, cycles, tokens, out);
   const double exps = 128.0 * 2 * tokens;
   const char* what[] = {"the kernel's loop", "y through shared memory", "next group's loads and exps ahead",
-                        "both", "no y reduction, no store", "B and C once per tile", "",
-                        "y reduced one group later"};
+                        "both", "no y reduction, no store", "B and C once per tile",
+                        "" /* 6: loop16_helpers */, "y reduced one group later"};
   std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", what[kVar], exps / double(worst),
               100.0 * exps / double(worst) / 16.0);
 }

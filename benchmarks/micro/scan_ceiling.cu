@@ -24,7 +24,12 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
-
+// B and C rows of 64 tokens for mix_loop (K / 4 float4 of each per token), fixed values.
+template <int K>
+__device__ __forceinline__ void fill_bc_rows(float4* sm) {
+  for (int i = threadIdx.x; i < 64 * (K / 2); i += blockDim.x)
+    sm[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
+}
 
 // K chains per thread, U tokens per unrolled step; kLoads: B and C of each token from shared memory
 // (one 16-byte load per 4 states, the same address across the warp).
@@ -77,14 +82,12 @@ template <int K, int U, bool kLoads>
 __global__ void __launch_bounds__(1024, 1) mix(float* out, long long* cycles, int tokens, float dt0) {
   extern __shared__ float4 sm[];
   const int tid = threadIdx.x;
-  for (int i = tid; i < 64 * (K / 2); i += blockDim.x)
-    sm[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
+  fill_bc_rows<K>(sm);
   __syncthreads();
   long long clocks = 0;
   out[blockIdx.x * blockDim.x + tid] = mix_loop<K, U, kLoads>(sm, tid, tokens, dt0, clocks);
   if (tid == 0) cycles[blockIdx.x] = clocks;
 }
-
 
 template <int K, int U, bool kLoads>
 void run(int warps, int sms, int tokens, float* out, long long* cycles) {
@@ -427,8 +430,7 @@ __global__ void __launch_bounds__(416, 1) mix_beside(float* out, long long* cycl
                                                      const unsigned char* src, int scan_threads) {
   extern __shared__ __align__(1024) float4 sm4[];
   const int tid = threadIdx.x;
-  for (int i = tid; i < 64 * (K / 2); i += blockDim.x)
-    sm4[i] = make_float4(0.5f + 1e-3f * i, 0.25f, 1.f - 1e-3f * i, 0.75f);
+  fill_bc_rows<K>(sm4);
   float4* noise = sm4 + 4096;  // 64 KB on
   volatile int* done = reinterpret_cast<volatile int*>(noise + 4096);
   for (int i = tid; i < 4096; i += blockDim.x) noise[i] = make_float4(0.f, 1.f, 2.f, 3.f);
