@@ -20,6 +20,9 @@
 //      what the B and C loads cost;
 //   7  as 0 with each group's y reduce-scatter and store done one group later, after the next group's
 //      chains (across the loop's back edge);
+//   8  as 0 with the 4 warps meeting at a named barrier every 64 tokens (the kernel's scan tile: its
+//      scan warps meet at the hand-off barrier once per tile);
+//   9  as 8, every 128 tokens;
 //   loop16_helpers: the partial sums of y stored to shared memory and summed by two helper warps.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
@@ -90,6 +93,7 @@ template <int kVar>
 __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* cycles, int tokens, float* out) {
   constexpr bool kSmemReduce = kVar == 1 || kVar == 3, kAhead = kVar == 2 || kVar == 3;
   constexpr bool kNoReduce = kVar == 4, kBCOnce = kVar == 5, kDefer = kVar == 7;
+  constexpr int kSyncTokens = kVar == 8 ? 64 : (kVar == 9 ? 128 : 0);  // tokens between barriers
   extern __shared__ __align__(1024) float4 sm4[];
   float* sdt = reinterpret_cast<float*>(sm4);      // [64 tokens][kLdDt]: (dt, dt * x) per channel
   float* sB = sdt + kT * kLdDt;                    // [32 token pairs][kLdBP]
@@ -187,6 +191,9 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
       const float o = fmaf(dskip, xg, total);
       *yp = static_cast<unsigned short>(__float_as_uint(o) >> 16);
       yp += kG * kDt;
+    }
+    if constexpr (kSyncTokens > 0) {  // the 4 scan warps meet, as at the kernel's hand-off barrier
+      if ((t0 + kT) % kSyncTokens == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
     }
   }
   if constexpr (kDefer) {  // the last group's sums (a plain sum here: the flush is not timed work)
@@ -292,7 +299,8 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
   const double exps = 128.0 * 2 * tokens;
   const char* what[] = {"the kernel's loop", "y through shared memory", "next group's loads and exps ahead",
                         "both", "no y reduction, no store", "B and C once per tile",
-                        "" /* 6: loop16_helpers */, "y reduced one group later"};
+                        "" /* 6: loop16_helpers */, "y reduced one group later",
+                        "warps meet every 64 tokens", "warps meet every 128 tokens"};
   std::printf("narrow loop, %-34s: %6.2f exp per SM clock (%.0f%% of MUFU peak)\n", what[kVar], exps / double(worst),
               100.0 * exps / double(worst) / 16.0);
 }
@@ -315,6 +323,8 @@ int main() {
     run<4>(sms, tokens, y, out, cycles);
     run<5>(sms, tokens, y, out, cycles);
     run<7>(sms, tokens, y, out, cycles);
+    run<8>(sms, tokens, y, out, cycles);
+    run<9>(sms, tokens, y, out, cycles);
     run_helpers<false>(sms, tokens, y, out, cycles);
     run_helpers<true>(sms, tokens, y, out, cycles);
   }
