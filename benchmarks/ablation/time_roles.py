@@ -27,13 +27,12 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench import make  # noqa: E402
 from shapes import shape_dims  # noqa: E402
 
 import selscan_fused  # noqa: E402
 from selscan_fused import ScanConfig  # noqa: E402
-from selscan_fused.demo import make_inputs  # noqa: E402
 
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FIELDS = {"mma": ("k_loop", "empty_wait", "x_wait", "epilogue"),
           "scan": ("full_wait", "x_wait", "loop")}
 
@@ -84,7 +83,7 @@ def summarize(text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="S1,S5-64")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(TORCH_DTYPE))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--channel-tile", type=int, default=0, help="ScanConfig(channel_tile=...); 0 = automatic")
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -93,7 +92,7 @@ def main() -> None:
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for shape in args.shapes.split(","):
         b, L, D, N = shape_dims(shape)
-        inp = make_inputs(b, L, D, N, TORCH_DTYPE[args.dtype], "cuda")
+        inp = make(shape, args.dtype)
         cfg = ScanConfig(channel_tile=args.channel_tile)
         call = lambda: selscan_fused.selective_scan(  # noqa: E731
             inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"],
