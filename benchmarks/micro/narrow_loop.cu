@@ -23,7 +23,9 @@
 //   8  as 0 with the 4 warps meeting at a named barrier every 64 tokens (the kernel's scan tile: its
 //      scan warps meet at the hand-off barrier once per tile);
 //   9  as 8, every 128 tokens;
-//   loop16_helpers: the partial sums of y stored to shared memory and summed by two helper warps.
+//   loop16_helpers: the partial sums of y stored to shared memory and summed by two helper warps;
+//   loop16_beside: the loop (or (dt, dt * x) by token pairs) beside paced shared-memory traffic from
+//      four other warps: what the kernel's other shared-memory users cost it.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
 //   ./narrow_loop
@@ -305,6 +307,124 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
               100.0 * exps / double(worst) / 16.0);
 }
 
+// The kernel's loop beside shared-memory traffic (loop16_beside): warps 0-3 run the kernel's loop
+// (variant 0), warps 4-7 read a separate 32 KB region in bursts of kBurst 16-byte loads per warp
+// (4 wavefronts each, conflict-free) with a __nanosleep(sleep_ns) after each burst, until the scan
+// is done: a model of the kernel's other shared-memory users (wgmma's operand reads, TMA and the
+// epilogue's writes; at S1 they take ~0.33 wavefronts per clock, docs/perf-notes.md). kPairs: the
+// hand-off tile holds (dt, dt * x) by token pairs, [token pair][channel][dt_j, dtx_j, dt_j+1,
+// dtx_j+1], so one 16-byte load serves two tokens: 26 wavefronts per warp and group of 8 tokens
+// instead of 34.
+constexpr int kLdDt2 = 4 * kDt + 8;  // floats per token pair in the pair layout
+constexpr int kBurst = 64;
+template <bool kPairs>
+__global__ void __launch_bounds__(256, 1) loop16_beside(unsigned short* y, long long* cycles, int tokens, float* out,
+                                                        long long* traffic, int sleep_ns) {
+  extern __shared__ __align__(1024) float4 sm4[];
+  float* sdt = reinterpret_cast<float*>(sm4);                   // [64][kLdDt] or [32][kLdDt2]
+  float* sB = sdt + kT * kLdDt;                                 // (kT / 2) * kLdDt2 <= kT * kLdDt
+  float* sC = sB + (kT / 2) * kLdBP;
+  unsigned short* sx = reinterpret_cast<unsigned short*>(sC + (kT / 2) * kLdBP);
+  float4* region = reinterpret_cast<float4*>(sx + kT * kDt);  // 32 KB read by the traffic warps
+  __shared__ volatile int done;
+  const int tid = threadIdx.x;
+  fill_tiles(sdt, sB, sC, sx);
+  for (int i = tid; i < 2048; i += blockDim.x) region[i] = make_float4(1.f, 2.f, 3.f, float(i));
+  if (tid == 0) done = 0;
+  __syncthreads();
+  if (tid >= 128) {  // traffic warps
+    const int lane = tid % 32, w = tid / 32 - 4;
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(region)) + lane * 16;
+    float acc = 0.f;
+    long long bursts = 0;
+    while (sleep_ns >= 0 && !done) {
+#pragma unroll 8
+      for (int i = 0; i < kBurst; ++i) {  // volatile: the loads must not be hoisted out of the while loop
+        float a, b, c2, d;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(a), "=f"(b), "=f"(c2), "=f"(d) : "r"(base + ((w * kBurst + i) % 64) * 512));
+        acc += a;
+      }
+      ++bursts;
+      if (sleep_ns > 0) __nanosleep(sleep_ns);
+    }
+    out[blockIdx.x * 256 + tid] = acc;
+    if (lane == 0) traffic[blockIdx.x * 4 + w] = bursts;
+    return;
+  }
+  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
+  float A2[2], h[2] = {0.f, 0.f};
+  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
+  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
+  const float dskip = 1.f + 0.001f * c;
+  const float* dtp = kPairs ? sdt + 4 * c : sdt + 2 * c;
+  const float* bp = sB + g * 4;
+  const float* cp = sC + g * 4;
+  const long long t_start = clock64();
+  for (int t0 = 0; t0 < tokens; t0 += kT) {
+    unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c;
+#pragma unroll 4
+    for (int tg = 0; tg < kT; tg += kG) {
+      Group r;
+      if constexpr (kPairs) {
+        float dt[kG];
+#pragma unroll
+        for (int j = 0; j < kG; j += 2) {
+          const float4 d4 = *reinterpret_cast<const float4*>(dtp + ((tg + j) / 2) * kLdDt2);
+          dt[j] = d4.x; r.dtx[j] = d4.y; dt[j + 1] = d4.z; r.dtx[j + 1] = d4.w;
+        }
+#pragma unroll
+        for (int j = 0; j < kG; j += 2) {
+          const float4 b4 = *reinterpret_cast<const float4*>(bp + ((tg + j) / 2) * kLdBP);
+          const float4 c4 = *reinterpret_cast<const float4*>(cp + ((tg + j) / 2) * kLdBP);
+          r.B[j][0] = b4.x; r.B[j][1] = b4.y; r.B[j + 1][0] = b4.z; r.B[j + 1][1] = b4.w;
+          r.C[j][0] = c4.x; r.C[j][1] = c4.y; r.C[j + 1][0] = c4.z; r.C[j + 1][1] = c4.w;
+        }
+#pragma unroll
+        for (int j = 0; j < kG; ++j)
+#pragma unroll
+          for (int n = 0; n < 2; ++n) r.dA[j][n] = ex2(dt[j] * A2[n]);
+      } else {
+        r = load_group(dtp, bp, cp, tg, A2);
+      }
+      float v[kG];
+#pragma unroll
+      for (int j = 0; j < kG; ++j) v[j] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kG; ++j)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
+          v[j] = fmaf(r.C[j][n], h[n], v[j]);
+        }
+      const float total = reduce_scatter8(v, g);
+      const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
+      *yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
+      yp += kG * kDt;
+    }
+  }
+  const long long t_end = clock64();
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  if (tid == 0) done = 1;
+  out[blockIdx.x * 256 + tid] = h[0] + h[1];
+  if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
+}
+
+template <bool kPairs>
+void run_beside(int sms, int tokens, unsigned short* y, float* out, long long* cycles, long long* traffic,
+                int sleep_ns) {
+  const long long worst = slowest_of_two_launches(loop16_beside<kPairs>, sms, 256, 160 * 1024, cycles, y, cycles,
+                                                  tokens, out, traffic, sleep_ns);
+  long long c0 = 0, t0[4];
+  CHECK(cudaMemcpy(&c0, cycles, sizeof(c0), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(t0, traffic, sizeof(t0), cudaMemcpyDeviceToHost));
+  const double wavefronts = double(t0[0] + t0[1] + t0[2] + t0[3]) * kBurst * 4;
+  const double exps = 128.0 * 2 * tokens;
+  std::printf("narrow loop, %-22s beside traffic (sleep %5d ns, %.2f wavefronts per clock): %6.2f exp per SM clock\n",
+              kPairs ? "dt by token pairs," : "the kernel's loop,", sleep_ns, wavefronts / double(c0),
+              exps / double(worst));
+}
+
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -328,6 +448,17 @@ int main() {
     run_helpers<false>(sms, tokens, y, out, cycles);
     run_helpers<true>(sms, tokens, y, out, cycles);
   }
+  long long* traffic;
+  float* out2;
+  CHECK(cudaMalloc(&traffic, sizeof(long long) * sms * 4));
+  CHECK(cudaMalloc(&out2, sizeof(float) * sms * 256));
+  for (int round = 0; round < 2; ++round)
+    for (int sleep_ns : {-1, 4000, 1000, 300, 0}) {  // -1: traffic warps stop at once (no traffic)
+      run_beside<false>(sms, tokens, y, out2, cycles, traffic, sleep_ns);
+      run_beside<true>(sms, tokens, y, out2, cycles, traffic, sleep_ns);
+    }
+  CHECK(cudaFree(out2));
+  CHECK(cudaFree(traffic));
   CHECK(cudaFree(y));
   CHECK(cudaFree(cycles));
   CHECK(cudaFree(out));
