@@ -38,14 +38,14 @@ FIELDS = {"mma": ("k_loop", "empty_wait", "x_wait", "epilogue"),
 
 
 def captured(fn) -> str:
-    """Runs fn and returns what the device printed (the C-level stdout) meanwhile."""
+    """Runs fn and returns what the launcher printed to the C-level stdout meanwhile."""
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         os.dup2(tmp.fileno(), 1)
         try:
             fn()
-            torch.cuda.synchronize()  # flushes the device's printf buffer
+            torch.cuda.synchronize()  # (the launcher already waited for its kernel and flushed stdout)
         finally:
             os.dup2(saved, 1)
             os.close(saved)
