@@ -41,15 +41,27 @@ struct Group {
   float dtx[kG], B[kG][2], C[kG][2], dA[kG][2];
 };
 
+// kPairs: (dt, dt * x) by token pairs, [token pair][channel][dt_j, dtx_j, dt_j+1, dtx_j+1] (rows of
+// kLdDt2 floats), one 16-byte load for two tokens (loop16_beside).
+constexpr int kLdDt2 = 4 * kDt + 8;
+template <bool kPairs = false>
 __device__ __forceinline__ Group load_group(const float* dtp, const float* bp, const float* cp, int tg,
                                             const float (&A2)[2]) {
   Group r;
   float dt[kG];
+  if constexpr (kPairs) {
 #pragma unroll
-  for (int j = 0; j < kG; ++j) {
-    const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
-    dt[j] = d2.x;
-    r.dtx[j] = d2.y;
+    for (int j = 0; j < kG; j += 2) {
+      const float4 d4 = *reinterpret_cast<const float4*>(dtp + ((tg + j) / 2) * kLdDt2);
+      dt[j] = d4.x; r.dtx[j] = d4.y; dt[j + 1] = d4.z; r.dtx[j + 1] = d4.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kG; ++j) {
+      const float2 d2 = *reinterpret_cast<const float2*>(dtp + (tg + j) * kLdDt);
+      dt[j] = d2.x;
+      r.dtx[j] = d2.y;
+    }
   }
 #pragma unroll
   for (int j = 0; j < kG; j += 2) {
@@ -63,6 +75,19 @@ __device__ __forceinline__ Group load_group(const float* dtp, const float* bp, c
 #pragma unroll
     for (int n = 0; n < 2; ++n) r.dA[j][n] = ex2(dt[j] * A2[n]);
   return r;
+}
+
+// One group's chains: the two recurrences through 8 tokens, and each token's partial sum of y.
+__device__ __forceinline__ void group_chains(const Group& r, float (&h)[2], float (&ys)[kG]) {
+#pragma unroll
+  for (int j = 0; j < kG; ++j) ys[j] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kG; ++j)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
+      ys[j] = fmaf(r.C[j][n], h[n], ys[j]);
+    }
 }
 
 // The y reduce-scatter of the kernel's narrow loop: over the 8 threads of a channel (lanes kW apart),
@@ -145,15 +170,7 @@ __global__ void __launch_bounds__(128, 1) loop16(unsigned short* y, long long* c
         }
       }
       float ys[kG];
-#pragma unroll
-      for (int j = 0; j < kG; ++j) ys[j] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kG; ++j)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
-          ys[j] = fmaf(r.C[j][n], h[n], ys[j]);
-        }
+      group_chains(r, h, ys);
       float total = 0.f;
       if constexpr (kDefer) {
         // reduce the previous group's sums (prev, stored at prev_yp) now, this group's next time
@@ -315,7 +332,6 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
 // hand-off tile holds (dt, dt * x) by token pairs, [token pair][channel][dt_j, dtx_j, dt_j+1,
 // dtx_j+1], so one 16-byte load serves two tokens: 26 wavefronts per warp and group of 8 tokens
 // instead of 34.
-constexpr int kLdDt2 = 4 * kDt + 8;  // floats per token pair in the pair layout
 constexpr int kBurst = 64;
 template <bool kPairs>
 __global__ void __launch_bounds__(256, 1) loop16_beside(unsigned short* y, long long* cycles, int tokens, float* out,
@@ -365,38 +381,9 @@ __global__ void __launch_bounds__(256, 1) loop16_beside(unsigned short* y, long 
     unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c;
 #pragma unroll 4
     for (int tg = 0; tg < kT; tg += kG) {
-      Group r;
-      if constexpr (kPairs) {
-        float dt[kG];
-#pragma unroll
-        for (int j = 0; j < kG; j += 2) {
-          const float4 d4 = *reinterpret_cast<const float4*>(dtp + ((tg + j) / 2) * kLdDt2);
-          dt[j] = d4.x; r.dtx[j] = d4.y; dt[j + 1] = d4.z; r.dtx[j + 1] = d4.w;
-        }
-#pragma unroll
-        for (int j = 0; j < kG; j += 2) {
-          const float4 b4 = *reinterpret_cast<const float4*>(bp + ((tg + j) / 2) * kLdBP);
-          const float4 c4 = *reinterpret_cast<const float4*>(cp + ((tg + j) / 2) * kLdBP);
-          r.B[j][0] = b4.x; r.B[j][1] = b4.y; r.B[j + 1][0] = b4.z; r.B[j + 1][1] = b4.w;
-          r.C[j][0] = c4.x; r.C[j][1] = c4.y; r.C[j + 1][0] = c4.z; r.C[j + 1][1] = c4.w;
-        }
-#pragma unroll
-        for (int j = 0; j < kG; ++j)
-#pragma unroll
-          for (int n = 0; n < 2; ++n) r.dA[j][n] = ex2(dt[j] * A2[n]);
-      } else {
-        r = load_group(dtp, bp, cp, tg, A2);
-      }
+      const Group r = load_group<kPairs>(dtp, bp, cp, tg, A2);
       float v[kG];
-#pragma unroll
-      for (int j = 0; j < kG; ++j) v[j] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kG; ++j)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          h[n] = fmaf(r.dA[j][n], h[n], r.dtx[j] * r.B[j][n]);
-          v[j] = fmaf(r.C[j][n], h[n], v[j]);
-        }
+      group_chains(r, h, v);
       const float total = reduce_scatter8(v, g);
       const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
       *yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
