@@ -25,14 +25,21 @@
 //   9  as 8, every 128 tokens;
 //   loop16_helpers: the partial sums of y stored to shared memory and summed by two helper warps;
 //   loop16_beside: the loop (or (dt, dt * x) by token pairs) beside paced shared-memory traffic from
-//      four other warps: what the kernel's other shared-memory users cost it.
+//      four other warps: what the kernel's other shared-memory users cost it;
+//   loop16_products: the loop beside S1's products (products_role.cuh: wgmma of 128 tokens against
+//      48 feature rows on a fifth warpgroup), paced to the rate S1 at 2x the unfused path would ask,
+//      or at full rate: the loop in a kernel that had nothing else (no hand-off writes, no TMA, no
+//      softplus, no epilogue).
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o narrow_loop benchmarks/micro/narrow_loop.cu
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        -I<cutlass>/include -o narrow_loop benchmarks/micro/narrow_loop.cu
+//   (<cutlass>: the nvidia-cutlass wheel's cutlass_library/source)
 //   ./narrow_loop
 #include <cstdio>
 #include <cstdlib>
 
 #include "micro_common.cuh"
+#include "products_role.cuh"
 
 constexpr int kT = 64, kDt = 16, kLdDt = 2 * kDt + 8, kLdBP = 2 * 16 + 8, kG = 8, kW = 4, kLdRed = 72;
 
@@ -324,6 +331,24 @@ void run(int sms, int tokens, unsigned short* y, float* out, long long* cycles) 
               100.0 * exps / double(worst) / 16.0);
 }
 
+// One 64-token tile of the kernel's loop (variant 0's body): loads, chains, y reduce-scatter, D * x,
+// the store.
+template <bool kPairs = false>
+__device__ __forceinline__ void kernel_loop_tile(const float* dtp, const float* bp, const float* cp,
+                                                 const unsigned short* sx, const float (&A2)[2], float (&h)[2],
+                                                 float dskip, unsigned short* yp, int c, int g) {
+#pragma unroll 4
+  for (int tg = 0; tg < kT; tg += kG) {
+    const Group r = load_group<kPairs>(dtp, bp, cp, tg, A2);
+    float v[kG];
+    group_chains(r, h, v);
+    const float total = reduce_scatter8(v, g);
+    const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
+    *yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
+    yp += kG * kDt;
+  }
+}
+
 // The kernel's loop beside shared-memory traffic (loop16_beside): warps 0-3 run the kernel's loop
 // (variant 0), warps 4-7 read a separate 32 KB region in bursts of kBurst 16-byte loads per warp
 // (4 wavefronts each, conflict-free) with a __nanosleep(sleep_ns) after each burst, until the scan
@@ -377,19 +402,9 @@ __global__ void __launch_bounds__(256, 1) loop16_beside(unsigned short* y, long 
   const float* bp = sB + g * 4;
   const float* cp = sC + g * 4;
   const long long t_start = clock64();
-  for (int t0 = 0; t0 < tokens; t0 += kT) {
-    unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c;
-#pragma unroll 4
-    for (int tg = 0; tg < kT; tg += kG) {
-      const Group r = load_group<kPairs>(dtp, bp, cp, tg, A2);
-      float v[kG];
-      group_chains(r, h, v);
-      const float total = reduce_scatter8(v, g);
-      const float xg = __uint_as_float(unsigned(sx[(tg + g) * kDt + c]) << 16);
-      *yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
-      yp += kG * kDt;
-    }
-  }
+  for (int t0 = 0; t0 < tokens; t0 += kT)
+    kernel_loop_tile<kPairs>(dtp, bp, cp, sx, A2, h, dskip, y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c,
+                             c, g);
   const long long t_end = clock64();
   asm volatile("bar.sync 1, 128;\n" ::: "memory");
   if (tid == 0) done = 1;
@@ -410,6 +425,61 @@ void run_beside(int sms, int tokens, unsigned short* y, float* out, long long* c
   std::printf("narrow loop, %-22s beside traffic (sleep %5d ns, %.2f wavefronts per clock): %6.2f exp per SM clock\n",
               kPairs ? "dt by token pairs," : "the kernel's loop,", sleep_ns, wavefronts / double(c0),
               exps / double(worst));
+}
+
+// The kernel's loop (warps 0-3; kSync: meeting at a named barrier every 64 tokens, as the kernel's
+// scan warps do at the hand-off) beside S1's products (warps 4-7, products_role<kNoise>: 11 paced to
+// 740 flops per SM clock, 12 full rate; 13 and 14 the same with x in registers) on a 64 KB region of
+// its own.
+template <int kNoise, bool kSync>
+__global__ void __launch_bounds__(256, 1) loop16_products(unsigned short* y, long long* cycles, int tokens, float* out) {
+  extern __shared__ __align__(1024) float4 sm4[];
+  float* sdt = reinterpret_cast<float*>(sm4);
+  float* sB = sdt + kT * kLdDt;
+  float* sC = sB + (kT / 2) * kLdBP;
+  unsigned short* sx = reinterpret_cast<unsigned short*>(sC + (kT / 2) * kLdBP);
+  unsigned char* region = reinterpret_cast<unsigned char*>(sm4) + 32768;  // past the tiles (23 KB), 1024-aligned
+  __shared__ volatile int done;
+  const int tid = threadIdx.x;
+  fill_tiles(sdt, sB, sC, sx);
+  for (int i = tid; i < 4096; i += blockDim.x) reinterpret_cast<float4*>(region)[i] = make_float4(0.f, 1.f, 2.f, 3.f);
+  if (tid == 0) done = 0;
+  __syncthreads();
+  if (tid >= 128) {
+    products_role<kNoise>(region, &done, cycles, nullptr, out, tid);
+    return;
+  }
+  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
+  float A2[2], h[2] = {0.f, 0.f};
+  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
+  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
+  const float dskip = 1.f + 0.001f * c;
+  const long long t_start = clock64();
+  for (int t0 = 0; t0 < tokens; t0 += kT) {
+    kernel_loop_tile(sdt + 2 * c, sB + g * 4, sC + g * 4, sx, A2, h, dskip,
+                     y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c, c, g);
+    if constexpr (kSync) asm volatile("bar.sync 3, 128;\n" ::: "memory");  // 1 is the products role's
+  }
+  const long long t_end = clock64();
+  asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  if (tid == 0) done = 1;
+  out[blockIdx.x * 128 + tid] = h[0] + h[1];
+  if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
+}
+
+template <int kNoise, bool kSync>
+void run_products(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
+  const long long worst = slowest_of_two_launches(loop16_products<kNoise, kSync>, sms, 256, 100 * 1024, cycles, y,
+                                                  cycles, tokens, out);
+  long long flops = 0;  // CTA 0's
+  CHECK(cudaMemcpy(&flops, cycles + sms, sizeof(flops), cudaMemcpyDeviceToHost));
+  const double exps = 128.0 * 2 * tokens;
+  std::printf("narrow loop%s beside S1's products (%s): %6.2f exp per SM clock (wgmma %.0f flops per SM clock)\n",
+              kSync ? ", warps meeting every 64 tokens," : "",
+              kNoise == 11 ? "paced to 740" : (kNoise == 12 ? "full rate" :
+              (kNoise == 13 ? "x in registers, paced to 740" :
+              (kNoise == 14 ? "x in registers, full rate" : "x by ldmatrix every batch, paced to 740"))),
+              exps / double(worst), double(flops) / double(worst));
 }
 
 int main() {
@@ -444,6 +514,19 @@ int main() {
       run_beside<false>(sms, tokens, y, out2, cycles, traffic, sleep_ns);
       run_beside<true>(sms, tokens, y, out2, cycles, traffic, sleep_ns);
     }
+  long long* cycles2;  // the loop's clocks, then the products' flops
+  CHECK(cudaMalloc(&cycles2, sizeof(long long) * sms * 2));
+  for (int round = 0; round < 2; ++round) {
+    run_products<11, false>(sms, tokens, y, out2, cycles2);
+    run_products<11, true>(sms, tokens, y, out2, cycles2);
+    run_products<12, false>(sms, tokens, y, out2, cycles2);
+    run_products<12, true>(sms, tokens, y, out2, cycles2);
+    run_products<13, false>(sms, tokens, y, out2, cycles2);
+    run_products<13, true>(sms, tokens, y, out2, cycles2);
+    run_products<14, false>(sms, tokens, y, out2, cycles2);
+    run_products<15, false>(sms, tokens, y, out2, cycles2);
+  }
+  CHECK(cudaFree(cycles2));
   CHECK(cudaFree(out2));
   CHECK(cudaFree(traffic));
   CHECK(cudaFree(y));

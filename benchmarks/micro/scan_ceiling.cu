@@ -19,10 +19,7 @@
 #include <cstdlib>
 
 #include "micro_common.cuh"
-
-#include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/numeric_types.h>
+#include "products_role.cuh"
 
 // B and C rows of 64 tokens for mix_loop (K / 4 float4 of each per token), fixed values.
 template <int K>
@@ -100,136 +97,6 @@ void run(int warps, int sms, int tokens, float* out, long long* cycles) {
               kLoads ? "loads" : "regs", K, U, warps, warps / 4, exps / double(worst), 100.0 * exps / double(worst) / 16.0);
 }
 
-// The fused kernel's products beside the scan (kNoise 3-9), on a 64 KB region of shared memory:
-// warpgroup 1 issues the kernel's wgmma, x (128 x 64) against a stacked weight tile (96 x 64), bf16,
-// 128-byte swizzle, float32 accumulators, one batch of 4 K steps at a time: as fast as it can (3),
-// or paced to 1400 flops per SM clock (4, 5: the kernel's rate on S2, ~41% of the tensor peak); warp 8
-// (5, 6) streams 28 KB bulk copies (the TMA's path) from global memory into another part of the
-// region, two in flight, as the kernel's operand ring does; 7-9 are paced like 4 with another tile
-// shape or operand source. Counters: flops and copied bytes of CTA 0.
-template <int kNoise>
-__device__ __forceinline__ void products_role(unsigned char* region, volatile int* done, long long* cycles,
-                                              const unsigned char* src, float* out, int tid) {
-  using namespace cute;
-  using E = cutlass::bfloat16_t;
-  // The weight tile's rows (the wgmma's N): 96 as in the kernel at N = 16; 32 (7) and 192 (8) move
-  // 1.8x and 0.8x the shared-memory bytes per flop, to tell shared-memory reads from other costs.
-  constexpr int kNW = kNoise == 7 ? 32 : (kNoise == 8 ? 192 : 96);
-  constexpr int kM = kNoise == 8 ? 64 : 128;  // 192 columns on 128 rows would not fit the registers
-  using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, make_shape(Int<kM>{}, Int<64>{})));
-  using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, make_shape(Int<kNW>{}, Int<64>{})));
-  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<E, E, float, Shape<Int<kM>, Int<kNW>, _64>, GMMA::Major::K,
-                                                           GMMA::Major::K>()));
-  constexpr int kBytesA = 128 * 64 * 2, kBytesB = 96 * 64 * 2, kCopy = kBytesA + kBytesB;
-  if (tid < 256) {
-    if constexpr (kNoise == 6) return;
-    E* a_ptr = reinterpret_cast<E*>(region);           // 1024-aligned (region: 64 KB into the buffer)
-    E* b_ptr = reinterpret_cast<E*>(region + kBytesA);
-    Tensor sA = make_tensor(make_smem_ptr(a_ptr), LayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(b_ptr), LayoutB{});
-    Mma mma;
-    auto thr = mma.get_thread_slice(tid - 128);
-    Tensor tA = thr.make_fragment_A(thr.partition_A(sA));
-    Tensor tB = thr.make_fragment_B(thr.partition_B(sB));
-    Tensor acc = partition_fragment_C(mma, Shape<Int<kM>, Int<kNW>>{});
-    clear(acc);
-    // kNoise 9: the same products with x (A) in registers, brought from shared memory by ldmatrix
-    // (wgmma then reads only the weight tile from shared memory).
-    using MmaRS = decltype(make_tiled_mma(GMMA::rs_op_selector<E, E, float, Shape<Int<kM>, Int<kNW>, _64>,
-                                                               GMMA::Major::K, GMMA::Major::K>()));
-    MmaRS mma_rs;
-    auto thr_rs = mma_rs.get_thread_slice(tid - 128);
-    Tensor rA = thr_rs.partition_fragment_A(sA);
-    Tensor tBrs = thr_rs.make_fragment_B(thr_rs.partition_B(sB));
-    auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, E>{}, mma_rs);
-    auto s2r_thr = s2r.get_thread_slice(tid - 128);
-    Tensor sA_view = s2r_thr.partition_S(sA);
-    Tensor rA_view = s2r_thr.retile_D(rA);
-    long long batches = 0;
-    const long long t0 = clock64();
-    constexpr long long kFlops = 2LL * kM * kNW * 64;                   // per batch
-    // clocks per batch; 10: paced to 2000 flops per clock, the rate S2 <= 0.22 ms would ask of the
-    // products with B and C recomputed per channel tile
-    constexpr long long kPeriod = (kNoise == 3) ? 0 : kFlops / (kNoise == 10 ? 2000 : 1400);
-    // wgmma is warpgroup-collective: the four warps must agree on when to stop (one reads the flag,
-    // a named barrier hands it to all; two slots, so the next write never races this read).
-    volatile int* agree = reinterpret_cast<volatile int*>(region + 65536 - 128);
-    for (int it = 0;; ++it) {
-      if (tid == 128) agree[it & 1] = *done;
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      if (agree[it & 1] != 0) break;
-      if constexpr (kNoise == 9) {
-        copy(s2r, sA_view, rA_view);
-        warpgroup_fence_operand(rA);
-      }
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tA); ++kb) {
-        if constexpr (kNoise == 9) {
-          cute::gemm(mma_rs, rA(_, _, kb), tBrs(_, _, kb), acc);
-          mma_rs.accumulate_ = GMMA::ScaleOut::One;
-        } else {
-          cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      ++batches;
-      if constexpr (kPeriod > 0)
-        while (clock64() - t0 < batches * kPeriod) __nanosleep(64);
-    }
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) sum += acc(i);
-    out[gridDim.x * 128 + blockIdx.x * 128 + tid - 128] = sum;
-    if (tid == 128) cycles[gridDim.x + blockIdx.x] = batches * kFlops;
-  } else if (tid == 256) {
-    if constexpr (kNoise == 5 || kNoise == 6) {
-      // Bulk copies into the region's second half (32 KB on), two in flight on two mbarriers.
-      unsigned char* dst = region + 32768;
-      uint64_t* bars = reinterpret_cast<uint64_t*>(region + 65536 - 64);
-      const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-      asm volatile("mbarrier.init.shared.b64 [%0], 1;\n" ::"r"(bar0));
-      asm volatile("mbarrier.init.shared.b64 [%0], 1;\n" ::"r"(bar0 + 8));
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-      const unsigned char* base = src + size_t(blockIdx.x) * 16 * kCopy;  // 16 chunks per CTA, from L2
-      long long copies = 0;
-      uint32_t phase[2] = {0, 0};
-      auto issue = [&](int slot, long long n) {
-        const uint32_t bar = bar0 + 8 * slot;
-        const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + (slot ? kCopy / 2 : 0)));
-        asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kCopy / 2));
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                     ::"r"(d), "l"(base + (n % 32) * (kCopy / 2)), "r"(kCopy / 2), "r"(bar) : "memory");
-      };
-      issue(0, 0);
-      issue(1, 1);
-      long long n = 2;
-      while (*done == 0) {
-        for (int slot = 0; slot < 2; ++slot) {
-          const uint32_t bar = bar0 + 8 * slot;
-          uint32_t ok = 0;
-          while (!ok)
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
-                         : "=r"(ok) : "r"(bar), "r"(phase[slot]) : "memory");
-          phase[slot] ^= 1;
-          copies += kCopy / 2;
-          issue(slot, n++);
-        }
-      }
-      for (int slot = 0; slot < 2; ++slot) {  // drain the two copies in flight
-        uint32_t ok = 0;
-        while (!ok)
-          asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
-                       : "=r"(ok) : "r"(bar0 + 8 * slot), "r"(phase[slot]) : "memory");
-      }
-      if (blockIdx.x == 0) cycles[2 * gridDim.x] = copies;
-    }
-  }
-}
 
 // The fused kernel's long-stream scan loop as it is (scan_phase in csrc/fused/fused_kernel.cuh with
 // Config kCh = 2: two channels x 4 states per thread, 4 threads per channel, 64 channels on 128
@@ -465,7 +332,9 @@ void run_beside(int warps, int sms, int tokens, float* out, long long* cycles, c
   std::printf("%-6s K=%2d U=%d warps/SM=%2d (per scheduler %d) + wgmma %-14s: %6.2f exp per SM clock (%.0f%% of MUFU peak; "
               "wgmma %.0f flops per SM clock)\n",
               kLoads ? "loads" : "regs", K, U, warps, warps / 4,
-              kNoise == 3 ? "full rate" : (kNoise == 10 ? "paced to 2000" : (kNoise == 5 ? "1400 + copies" : "paced to 1400")), exps / double(worst),
+              kNoise == 3 ? "full rate" : (kNoise == 10 ? "paced to 2000" : (kNoise == 5 ? "1400 + copies" :
+              (kNoise == 11 ? "S1's, to 740" : (kNoise == 12 ? "S1's, full" :
+              (kNoise == 13 ? "S1's x regs 740" : "paced to 1400"))))), exps / double(worst),
               100.0 * exps / double(worst) / 16.0, double(flops) / double(worst));
 }
 
@@ -527,6 +396,13 @@ int main() {
   run_beside<4, 8, true, 3>(8, sms, tokens, out, cycles, src);
   run_beside<4, 8, true, 5>(8, sms, tokens, out, cycles, src);
   run_beside<8, 4, true, 5>(4, sms, tokens, out, cycles, src);
+  // S1's 256 chains per SM beside S1's products (128 tokens x 48 features): paced to the rate that
+  // S1 at 2x the unfused path would run them at, and at full rate.
+  run_beside<2, 8, false, 11>(4, sms, tokens, out, cycles, src);
+  run_beside<1, 16, false, 11>(8, sms, tokens, out, cycles, src);
+  run_beside<2, 8, false, 12>(4, sms, tokens, out, cycles, src);
+  run_beside<1, 16, false, 12>(8, sms, tokens, out, cycles, src);
+  run_beside<2, 8, false, 13>(4, sms, tokens, out, cycles, src);
   CHECK(cudaFree(src));
   CHECK(cudaFree(y));
   CHECK(cudaFree(out));
