@@ -22,17 +22,18 @@ if _C is not None:
 
 if _fused is not None:
     # A build with the timing-only switches of benchmarks/ablation/roles.patch computes wrong results
-    # (the SELSCAN_ABLATE_ switches) or synchronises and prints in every call (SELSCAN_TIME_ROLES).
+    # (the SELSCAN_ABLATE_ switches) or synchronises and prints in every call (SELSCAN_TIME_ROLES);
+    # the SELSCAN_TRIAL_ switches (roles.patch, narrow_rs.patch) are layouts measured and not kept.
     try:
         from . import _build_info as _bi
         _flags = getattr(_bi, "FUSED_NVCC_EXTRA_FLAGS", "")
         if any(k in _flags for k in ("SELSCAN_ABLATE_", "SELSCAN_TRIAL_", "SELSCAN_TIME_ROLES")):
             import warnings
             warnings.warn("selscan_fused: the fused kernel was built with the timing-only switches of "
-                          f"benchmarks/ablation/roles.patch ({_flags}): its results are wrong but for the "
-                          "layout switches SELSCAN_ABLATE_TWO_SCAN_WARPGROUPS and SELSCAN_TRIAL_NARROW_AHEAD, "
-                          "and SELSCAN_TIME_ROLES synchronises and prints in every call. Rebuild without "
-                          "SELSCAN_FUSED_NVCC_FLAGS.", stacklevel=2)
+                          f"benchmarks/ablation/ ({_flags}): its results are wrong but for the layout "
+                          "switches SELSCAN_ABLATE_TWO_SCAN_WARPGROUPS and SELSCAN_TRIAL_ (slower layouts, "
+                          "not the measured default), and SELSCAN_TIME_ROLES synchronises and prints in "
+                          "every call. Rebuild without SELSCAN_FUSED_NVCC_FLAGS.", stacklevel=2)
     except ImportError:
         pass
 

@@ -45,15 +45,16 @@ def test_extension_errors_are_catchable():
     assert out.returncode == 0 and "raised:" in out.stdout and "x is on cpu" in out.stdout, out.stderr[-2000:]
 
 
-def test_ablation_patch_applies():
-    """benchmarks/ablation/roles.patch (timing-only role switches, docs/perf-notes.md) must keep
-    applying to the kernel as it changes, or the measurements it backs cannot be repeated."""
+@pytest.mark.parametrize("patch", ["roles.patch", "narrow_rs.patch"])
+def test_ablation_patch_applies(patch):
+    """benchmarks/ablation/*.patch (timing-only role switches and trial layouts, docs/perf-notes.md)
+    must keep applying to the kernel as it changes, or the measurements they back cannot be repeated."""
     import shutil
     import subprocess
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
-    out = subprocess.run(["git", "apply", "--check", "benchmarks/ablation/roles.patch"], cwd=root,
+    out = subprocess.run(["git", "apply", "--check", f"benchmarks/ablation/{patch}"], cwd=root,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
