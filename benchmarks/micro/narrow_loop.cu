@@ -349,6 +349,23 @@ __device__ __forceinline__ void kernel_loop_tile(const float* dtp, const float* 
   }
 }
 
+// A scan thread of the kernel's loop (tid < 128): its channel c, its state pair g and their fixed A
+// (times log2 e) and D.
+struct ScanThread {
+  int c, g;
+  float A2[2], dskip;
+};
+__device__ __forceinline__ ScanThread scan_thread(int tid) {
+  ScanThread t;
+  t.c = (tid / 32) * kW + tid % kW;
+  t.g = (tid % 32) / kW;
+  const int n0 = 2 * t.g;
+  t.A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * t.c);
+  t.A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * t.c);
+  t.dskip = 1.f + 0.001f * t.c;
+  return t;
+}
+
 // The kernel's loop beside shared-memory traffic (loop16_beside): warps 0-3 run the kernel's loop
 // (variant 0), warps 4-7 read a separate 32 KB region in bursts of kBurst 16-byte loads per warp
 // (4 wavefronts each, conflict-free) with a __nanosleep(sleep_ns) after each burst, until the scan
@@ -393,18 +410,16 @@ __global__ void __launch_bounds__(256, 1) loop16_beside(unsigned short* y, long 
     if (lane == 0) traffic[blockIdx.x * 4 + w] = bursts;
     return;
   }
-  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
-  float A2[2], h[2] = {0.f, 0.f};
-  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
-  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
-  const float dskip = 1.f + 0.001f * c;
+  const ScanThread th = scan_thread(tid);
+  const int c = th.c, g = th.g;
+  float h[2] = {0.f, 0.f};
   const float* dtp = kPairs ? sdt + 4 * c : sdt + 2 * c;
   const float* bp = sB + g * 4;
   const float* cp = sC + g * 4;
   const long long t_start = clock64();
   for (int t0 = 0; t0 < tokens; t0 += kT)
-    kernel_loop_tile<kPairs>(dtp, bp, cp, sx, A2, h, dskip, y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c,
-                             c, g);
+    kernel_loop_tile<kPairs>(dtp, bp, cp, sx, th.A2, h, th.dskip,
+                             y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c, c, g);
   const long long t_end = clock64();
   asm volatile("bar.sync 1, 128;\n" ::: "memory");
   if (tid == 0) done = 1;
@@ -449,14 +464,12 @@ __global__ void __launch_bounds__(256, 1) loop16_products(unsigned short* y, lon
     products_role<kNoise>(region, &done, cycles, nullptr, out, tid);
     return;
   }
-  const int warp = tid / 32, cl = tid % kW, c = warp * kW + cl, g = (tid % 32) / kW, n0 = 2 * g;
-  float A2[2], h[2] = {0.f, 0.f};
-  A2[0] = -1.4427f * (n0 + 1) * (1.f + 0.01f * c);
-  A2[1] = -1.4427f * (n0 + 2) * (1.f + 0.01f * c);
-  const float dskip = 1.f + 0.001f * c;
+  const ScanThread th = scan_thread(tid);
+  const int c = th.c, g = th.g;
+  float h[2] = {0.f, 0.f};
   const long long t_start = clock64();
   for (int t0 = 0; t0 < tokens; t0 += kT) {
-    kernel_loop_tile(sdt + 2 * c, sB + g * 4, sC + g * 4, sx, A2, h, dskip,
+    kernel_loop_tile(sdt + 2 * c, sB + g * 4, sC + g * 4, sx, th.A2, h, th.dskip,
                      y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + g) * kDt + c, c, g);
     if constexpr (kSync) asm volatile("bar.sync 3, 128;\n" ::: "memory");  // 1 is the products role's
   }
