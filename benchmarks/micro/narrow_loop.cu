@@ -487,11 +487,9 @@ void run_products(int sms, int tokens, unsigned short* y, float* out, long long*
   long long flops = 0;  // CTA 0's
   CHECK(cudaMemcpy(&flops, cycles + sms, sizeof(flops), cudaMemcpyDeviceToHost));
   const double exps = 128.0 * 2 * tokens;
-  std::printf("narrow loop%s beside S1's products (%s): %6.2f exp per SM clock (wgmma %.0f flops per SM clock)\n",
+  std::printf("narrow loop%s beside the products (%s): %6.2f exp per SM clock (wgmma %.0f flops per SM clock)\n",
               kSync ? ", warps meeting every 64 tokens," : "",
-              kNoise == 11 ? "paced to 740" : (kNoise == 12 ? "full rate" :
-              (kNoise == 13 ? "x in registers, paced to 740" :
-              (kNoise == 14 ? "x in registers, full rate" : "x by ldmatrix every batch, paced to 740"))),
+              products_label(kNoise),
               exps / double(worst), double(flops) / double(worst));
 }
 

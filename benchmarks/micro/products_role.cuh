@@ -19,6 +19,28 @@
 // into registers would; 15 is 13 with the token tile brought to registers by ldmatrix for every
 // batch (as 9). Counters: flops and copied bytes of CTA 0. The role uses named barrier 1 (its 128
 // threads): the scan beside it must use others.
+// The flops per SM clock mode kNoise is paced to (0: as fast as it goes), and what it does, for the
+// benchmarks' printouts.
+constexpr int products_pace(int mode) {
+  return (mode == 3 || mode == 12 || mode == 14) ? 0
+         : mode == 10                            ? 2000
+         : (mode == 11 || mode == 13 || mode == 15) ? 740
+                                                    : 1400;
+}
+inline const char* products_label(int mode) {
+  switch (mode) {
+    case 3: return "full rate";
+    case 5: return "1400 + copies";
+    case 10: return "paced to 2000";
+    case 11: return "S1's tile, paced to 740";
+    case 12: return "S1's tile, full rate";
+    case 13: return "S1's tile, x in registers, paced to 740";
+    case 14: return "S1's tile, x in registers, full rate";
+    case 15: return "S1's tile, x by ldmatrix every batch, paced to 740";
+    default: return "paced to 1400";
+  }
+}
+
 template <int kNoise>
 __device__ __forceinline__ void products_role(unsigned char* region, volatile int* done, long long* cycles,
                                               const unsigned char* src, float* out, int tid) {
@@ -63,10 +85,7 @@ __device__ __forceinline__ void products_role(unsigned char* region, volatile in
     constexpr long long kFlops = 2LL * kM * kNW * 64;                   // per batch
     // clocks per batch; 10: paced to 2000 flops per clock, the rate S2 <= 0.22 ms would ask of the
     // products with B and C recomputed per channel tile
-    constexpr long long kPeriod =
-      (kNoise == 3 || kNoise == 12 || kNoise == 14)
-          ? 0
-          : kFlops / (kNoise == 10 ? 2000 : (kNoise == 11 || kNoise == 13 || kNoise == 15 ? 740 : 1400));
+    constexpr long long kPeriod = products_pace(kNoise) == 0 ? 0 : kFlops / products_pace(kNoise);
     constexpr bool kRegsOnce = kNoise == 13 || kNoise == 14;  // A loaded to registers once, before the loop
     if constexpr (kRegsOnce) {
       copy(s2r, sA_view, rA_view);

@@ -332,9 +332,7 @@ void run_beside(int warps, int sms, int tokens, float* out, long long* cycles, c
   std::printf("%-6s K=%2d U=%d warps/SM=%2d (per scheduler %d) + wgmma %-14s: %6.2f exp per SM clock (%.0f%% of MUFU peak; "
               "wgmma %.0f flops per SM clock)\n",
               kLoads ? "loads" : "regs", K, U, warps, warps / 4,
-              kNoise == 3 ? "full rate" : (kNoise == 10 ? "paced to 2000" : (kNoise == 5 ? "1400 + copies" :
-              (kNoise == 11 ? "S1's, to 740" : (kNoise == 12 ? "S1's, full" :
-              (kNoise == 13 ? "S1's x regs 740" : "paced to 1400"))))), exps / double(worst),
+              products_label(kNoise), exps / double(worst),
               100.0 * exps / double(worst) / 16.0, double(flops) / double(worst));
 }
 
