@@ -29,7 +29,10 @@
 //   loop16_products: the loop beside S1's products (products_role.cuh: wgmma of 128 tokens against
 //      48 feature rows on a fifth warpgroup), paced to the rate S1 at 2x the unfused path would ask,
 //      or at full rate: the loop in a kernel that had nothing else (no hand-off writes, no TMA, no
-//      softplus, no epilogue).
+//      softplus, no epilogue);
+//   loop16x2_products: the narrow layout on two warps per scheduler (256 scan threads, one chain
+//      each, y reduce-scattered over a channel's 16 lanes) in its cheapest form, alone or beside S1's
+//      products.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -I<cutlass>/include -o narrow_loop benchmarks/micro/narrow_loop.cu
@@ -493,6 +496,121 @@ void run_products(int sms, int tokens, unsigned short* y, float* out, long long*
               exps / double(worst), double(flops) / double(worst));
 }
 
+// A two-warp-per-scheduler narrow loop (loop16x2, beside nothing or S1's products): 256 scan threads,
+// one chain each, thread = (channel, state), 16 lanes per channel. The cheapest form of that layout
+// found: every operand load serves 4 tokens (16-byte loads: (dt, dt * x) by token pairs, B and C of the
+// thread's state by token quads: 1 load per element), 5 instructions per element for the recurrence
+// and C * h, and the y reduce-scatter over the channel's 16 lanes (4 shuffle levels, 15 shuffles, 15
+// adds and 30 selects per 16 tokens), after which lane n holds token n's sum and stores its y. The
+// kernel's two-warp narrow layout of v3.7 (11.25 instructions per exponential) was 20% slower on S1
+// than the one-warp layout; this measures the layout's best case, beside S1's products at the pace
+// 2x the unfused path would ask (products_role 11) or at full rate (12), or alone (0). Its loop is
+// 10.5 instructions per exponential (SASS); measured: 6.67 alone, 3.53 beside the paced products
+// (docs/perf-notes.md, session 16).
+constexpr int kG2 = 16;
+// One level of the 16-lane reduce-scatter (a template per level: a loop over the levels is not
+// unrolled and puts v in local memory).
+template <int kW2>
+__device__ __forceinline__ void reduce_scatter_level16(float (&v)[kG2], int n) {
+  const bool hi = n & kW2;
+#pragma unroll
+  for (int i = 0; i < kW2; ++i) {
+    const float keep = hi ? v[i + kW2] : v[i], send = hi ? v[i] : v[i + kW2];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kW2);
+  }
+}
+__device__ __forceinline__ float reduce_scatter16(float (&v)[kG2], int n) {
+  reduce_scatter_level16<8>(v, n);
+  reduce_scatter_level16<4>(v, n);
+  reduce_scatter_level16<2>(v, n);
+  reduce_scatter_level16<1>(v, n);
+  return v[0];
+}
+
+template <int kNoise>
+__global__ void __launch_bounds__(384, 1) loop16x2_products(unsigned short* y, long long* cycles, int tokens,
+                                                            float* out) {
+  extern __shared__ __align__(1024) float4 sm4[];
+  // rows padded by one float4, so that the 16 states' (or 2 channels') rows start in different banks
+  constexpr int kRowDt = kT / 2 + 1, kRowBC = kT / 4 + 1;
+  float4* sdt4 = sm4;                                              // [16 channels][32 token pairs]: dt, dtx, dt, dtx
+  float4* sB4 = sdt4 + kDt * kRowDt;                               // [16 states][16 token quads]
+  float4* sC4 = sB4 + 16 * kRowBC;
+  unsigned short* sx = reinterpret_cast<unsigned short*>(sC4 + 16 * kRowBC);  // [64 tokens][16 channels] bf16
+  unsigned char* region = reinterpret_cast<unsigned char*>(sm4) + 32768;         // the products' 64 KB
+  __shared__ volatile int done;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kDt * kRowDt; i += blockDim.x)
+    sdt4[i] = make_float4(0.01f + 1e-5f * (i % 89), 0.011f + 1e-5f * (i % 97), 0.01f + 1e-5f * (i % 83),
+                          0.011f + 1e-5f * (i % 79));
+  for (int i = tid; i < 16 * kRowBC; i += blockDim.x) {
+    sB4[i] = make_float4(0.5f + 1e-3f * (i % 13), 0.5f, 0.51f, 0.52f);
+    sC4[i] = make_float4(1.f - 1e-3f * (i % 11), 1.f, 0.99f, 0.98f);
+  }
+  for (int i = tid; i < kT * kDt; i += blockDim.x) sx[i] = 0x3f80 + (i % 7);
+  for (int i = tid; i < 4096; i += blockDim.x) reinterpret_cast<float4*>(region)[i] = make_float4(0.f, 1.f, 2.f, 3.f);
+  if (tid == 0) done = 0;
+  __syncthreads();
+  if (tid >= 256) {
+    if constexpr (kNoise != 0) products_role<kNoise>(region, &done, cycles, nullptr, out, tid - 128);
+    else if (tid == 256) cycles[gridDim.x + blockIdx.x] = 0;
+    return;
+  }
+  const int c = tid / 16, n = tid % 16;
+  const float A = -1.4427f * (n + 1) * (1.f + 0.01f * c), dskip = 1.f + 0.001f * c;
+  float h = 0.f;
+  const long long t_start = clock64();
+  for (int t0 = 0; t0 < tokens; t0 += kT) {
+    unsigned short* yp = y + (size_t(blockIdx.x) * 1024 + (t0 & 1023) + n) * kDt + c;
+#pragma unroll 2
+    for (int tg = 0; tg < kT; tg += kG2) {
+      float dt[kG2], dtx[kG2], B[kG2], v[kG2];
+#pragma unroll
+      for (int j = 0; j < kG2; j += 2) {
+        const float4 d = sdt4[c * kRowDt + (tg + j) / 2];
+        dt[j] = d.x; dtx[j] = d.y; dt[j + 1] = d.z; dtx[j + 1] = d.w;
+      }
+#pragma unroll
+      for (int j = 0; j < kG2; j += 4) {
+        const float4 b = sB4[n * kRowBC + (tg + j) / 4];
+        B[j] = b.x; B[j + 1] = b.y; B[j + 2] = b.z; B[j + 3] = b.w;
+      }
+#pragma unroll
+      for (int j = 0; j < kG2; ++j) {
+        const float dA = ex2(dt[j] * A);
+        h = fmaf(dA, h, dtx[j] * B[j]);
+        v[j] = h;
+      }
+#pragma unroll
+      for (int j = 0; j < kG2; j += 4) {
+        const float4 cc = sC4[n * kRowBC + (tg + j) / 4];
+        v[j] *= cc.x; v[j + 1] *= cc.y; v[j + 2] *= cc.z; v[j + 3] *= cc.w;
+      }
+      const float total = reduce_scatter16(v, n);
+      const float xg = __uint_as_float(unsigned(sx[(tg + n) * kDt + c]) << 16);
+      *yp = static_cast<unsigned short>(__float_as_uint(fmaf(dskip, xg, total)) >> 16);
+      yp += kG2 * kDt;
+    }
+  }
+  const long long t_end = clock64();
+  asm volatile("bar.sync 2, 256;\n" ::: "memory");
+  if (tid == 0) done = 1;
+  out[blockIdx.x * 256 + tid] = h;
+  if (tid == 0) cycles[blockIdx.x] = t_end - t_start;
+}
+
+template <int kNoise>
+void run_x2(int sms, int tokens, unsigned short* y, float* out, long long* cycles) {
+  const long long worst = slowest_of_two_launches(loop16x2_products<kNoise>, sms, 384, 100 * 1024, cycles, y,
+                                                  cycles, tokens, out);
+  long long flops = 0;  // CTA 0's
+  CHECK(cudaMemcpy(&flops, cycles + sms, sizeof(flops), cudaMemcpyDeviceToHost));
+  const double exps = 256.0 * tokens;
+  std::printf("narrow loop, two warps per scheduler (one chain per thread), beside %-28s: %6.2f exp per SM clock "
+              "(wgmma %.0f flops per SM clock)\n",
+              kNoise ? products_label(kNoise) : "nothing", exps / double(worst), double(flops) / double(worst));
+}
+
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -536,6 +654,11 @@ int main() {
     run_products<13, true>(sms, tokens, y, out2, cycles2);
     run_products<14, false>(sms, tokens, y, out2, cycles2);
     run_products<15, false>(sms, tokens, y, out2, cycles2);
+  }
+  for (int round = 0; round < 2; ++round) {
+    run_x2<0>(sms, tokens, y, out2, cycles2);
+    run_x2<11>(sms, tokens, y, out2, cycles2);
+    run_x2<12>(sms, tokens, y, out2, cycles2);
   }
   CHECK(cudaFree(cycles2));
   CHECK(cudaFree(out2));
