@@ -508,8 +508,9 @@ void run_products(int sms, int tokens, unsigned short* y, float* out, long long*
 // 10.5 instructions per exponential (SASS); measured: 6.67 alone, 3.53 beside the paced products
 // (docs/perf-notes.md, session 16).
 constexpr int kG2 = 16;
-// One level of the 16-lane reduce-scatter (a template per level: a loop over the levels is not
-// unrolled and puts v in local memory).
+// One level of the 16-lane reduce-scatter: reduce_scatter8's level as a template (a loop over the
+// levels is not unrolled at 16 tokens and puts v in local memory). reduce_scatter8 keeps its loop:
+// built on this template, the kernels measured with it compile to different SASS.
 template <int kW2>
 __device__ __forceinline__ void reduce_scatter_level16(float (&v)[kG2], int n) {
   const bool hi = n & kW2;
