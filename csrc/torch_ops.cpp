@@ -30,11 +30,12 @@ void poison(at::Tensor& t) {
 }
 
 // The scan kernel alone: proj (batch, L, D + 2N) = [delta_pre | B | C] in x's dtype.
+// ckpt: when given, (batch, ckpt_count(L), D, N) float32, filled with the forward's checkpoints.
 std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at::Tensor& x_in,
                                             const at::Tensor& A_log, const at::Tensor& b_delta,
                                             const at::Tensor& D, const c10::optional<at::Tensor>& h0,
                                             bool return_final_state, int64_t l_segments, int64_t batch,
-                                            int64_t L, int64_t Dm, int64_t N) {
+                                            int64_t L, int64_t Dm, int64_t N, at::Tensor* ckpt = nullptr) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   if (batch == 0 || L == 0) return empty_result(x_in, batch, Dm, N, h0, return_final_state);
   const at::Tensor x = aligned_contiguous(x_in);
@@ -65,6 +66,10 @@ std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at:
   p.y = y.data_ptr();
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  if (ckpt != nullptr) {
+    poison(*ckpt);
+    p.ckpt = ckpt->data_ptr<float>();
+  }
   SELSCAN_CUDA_OK(scan_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the scan kernel launch");
   return {y, hT};
 }
@@ -109,6 +114,109 @@ std::tuple<at::Tensor, at::Tensor> unfused_fwd(const at::Tensor& x, const at::Te
                   batch, L, Dm, N);
 }
 
+// The unfused forward for training: also returns proj (kept for the backward) and the checkpoints.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unfused_fwd_res(
+    const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
+    const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    int64_t l_segments) {
+  auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
+  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type());
+  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type());
+  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type());
+  check_scan_envelope(Dm, N);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  at::Tensor ckpt = at::empty({batch, ckpt_count(L), Dm, N}, x.options().dtype(at::kFloat));
+  const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);
+  at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
+  auto [y, hT] = run_scan(proj, x, A_log, b_delta, D, h0, true, l_segments, batch, L, Dm, N, &ckpt);
+  return {y, hT, proj, ckpt};
+}
+
+// One backward of the layer (both paths): the backward scan kernel, then the library products
+// dx += dP . [W_delta; W_B; W_C] and dW = dP^T . x. proj: the unfused forward's; absent (the fused
+// path, whose forward keeps nothing of shape (batch, L, .)), it is recomputed by one product here.
+// Returns (dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, dh0); dh0 is the gradient of the initial
+// state (the initial state is zeros when h0 is absent).
+std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_log, const at::Tensor& W_delta,
+                                    const at::Tensor& b_delta, const at::Tensor& W_B, const at::Tensor& W_C,
+                                    const at::Tensor& D, const c10::optional<at::Tensor>& h0, const at::Tensor& dy_in,
+                                    const c10::optional<at::Tensor>& dhT, const c10::optional<at::Tensor>& proj_in,
+                                    const at::Tensor& ckpt_in, int64_t l_segments) {
+  auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
+  check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
+  check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
+  check_tensor(W_C, "W_C", x_in, {N, Dm}, x_in.scalar_type());
+  check_scan_envelope(Dm, N);
+  check_tensor(dy_in, "dy (the gradient of y)", x_in, x_in.sizes(), c10::nullopt);
+  TORCH_CHECK(dy_in.is_floating_point(), "selscan_fused: dy (the gradient of y) must be floating-point, got ",
+              dy_in.scalar_type());
+  if (dhT) {
+    check_tensor(*dhT, "dhT (the gradient of the final state)", x_in, {batch, Dm, N}, c10::nullopt);
+    TORCH_CHECK(dhT->is_floating_point(), "selscan_fused: dhT must be floating-point, got ", dhT->scalar_type());
+  }
+  if (proj_in) check_tensor(*proj_in, "proj", x_in, {batch, L, Dm + 2 * N}, x_in.scalar_type());
+  check_tensor(ckpt_in, "ckpt (the forward's checkpoints)", x_in, {batch, ckpt_count(L), Dm, N}, at::kFloat);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto fopt = x_in.options().dtype(at::kFloat);
+  if (batch == 0 || L == 0) {
+    at::Tensor dh0 = dhT ? dhT->to(at::kFloat).clone(at::MemoryFormat::Contiguous) : at::zeros({batch, Dm, N}, fopt);
+    return {at::zeros(x_in.sizes(), x_in.options()), at::zeros_like(A_log), at::zeros_like(W_delta),
+            at::zeros_like(b_delta), at::zeros_like(W_B), at::zeros_like(W_C), at::zeros_like(D), dh0};
+  }
+  const at::Tensor x = aligned_contiguous(x_in);
+  const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
+  const at::Tensor ckpt = ckpt_in.contiguous();
+  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
+  at::Tensor dhT_c;
+  if (dhT) dhT_c = dhT->to(at::kFloat).contiguous();
+  const int64_t BL = batch * L, P = Dm + 2 * N;
+  const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);  // (D + 2N, D)
+  const at::Tensor proj = proj_in ? aligned_contiguous(*proj_in) : at::mm(x.view({BL, Dm}), W.t());
+
+  ScanBwdParams p;
+  p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
+  p.dtype = to_dtype(x.scalar_type(), "x");
+  p.proj = proj.data_ptr(); p.x = x.data_ptr(); p.dy = dy.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
+  p.ckpt = ckpt.data_ptr<float>();
+  ScanBwdLaunchInfo plan;
+  SELSCAN_CUDA_OK(scan_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the backward scan");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
+  const int64_t n_tiles = (Dm + plan.channel_tile - 1) / plan.channel_tile;
+  const int64_t rows = plan.n_segments * batch;
+
+  at::Tensor dP = at::empty({batch, L, P}, x.options());
+  at::Tensor dx = at::empty({batch, L, Dm}, x.options());
+  at::Tensor bc_part = at::empty({BL, n_tiles, 2 * N}, fopt);
+  at::Tensor dA_part = at::empty({rows, Dm, N}, fopt);
+  at::Tensor dDdb_part = at::empty({2, rows * plan.rows_per_col, Dm}, fopt);
+  at::Tensor dh0 = at::empty({batch, Dm, N}, fopt);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
+  at::Tensor ws = at::empty({ws_floats}, fopt);
+  for (at::Tensor* t : {&dP, &dx, &bc_part, &dA_part, &dDdb_part, &dh0}) poison(*t);
+  p.dP = dP.data_ptr(); p.dx = dx.data_ptr();
+  p.bc_partial = bc_part.data_ptr<float>(); p.dA_partial = dA_part.data_ptr<float>();
+  p.dD_partial = dDdb_part[0].data_ptr<float>(); p.db_partial = dDdb_part[1].data_ptr<float>();
+  p.dh0 = dh0.data_ptr<float>();
+  p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(scan_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the backward scan launch");
+
+  // The sums over channel tiles, (sequence, segment) items and store rows: fixed-order reductions.
+  dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
+  at::Tensor dA_log = dA_part.sum(0).mul_(A_c.exp().neg_());  // dA_log = dA * A, A = -exp(A_log)
+  at::Tensor dD = dDdb_part[0].sum(0);
+  at::Tensor db = dDdb_part[1].sum(0);
+  const at::Tensor dP2 = dP.view({BL, P});
+  dx.view({BL, Dm}).addmm_(dP2, W);                   // dx = dx_scan + dP . W
+  const at::Tensor x2 = x.view({BL, Dm});
+  at::Tensor dW_delta = at::mm(dP2.narrow(1, 0, Dm).t(), x2);     // dz^T . x
+  const at::Tensor dW_bc = at::mm(dP2.narrow(1, Dm, 2 * N).t(), x2);  // [dB | dC]^T . x
+  return {dx, dA_log, dW_delta, db, dW_bc.narrow(0, 0, N).clone(), dW_bc.narrow(0, N, N).clone(), dD, dh0};
+}
+
 // [n_segments, seg_len] the scan kernel would use for x's shape (for tests and benchmarks).
 std::vector<int64_t> scan_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "selscan_fused: scan_plan needs a CUDA x of shape (batch, L, D)");
@@ -133,6 +241,11 @@ TORCH_LIBRARY(selscan_fused, m) {
   m.def("unfused_fwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, bool return_final_state, int l_segments) -> (Tensor, Tensor)");
   m.def("scan_plan(Tensor x, int dstate, int l_segments) -> int[]");
+  // Training: the forward with what its backward needs (proj, checkpoints), and the backward.
+  m.def("unfused_fwd_res(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
+        "Tensor D, Tensor? h0, int l_segments) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("unfused_bwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
+        "Tensor D, Tensor? h0, Tensor dy, Tensor? dhT, Tensor? proj, Tensor ckpt, int l_segments) -> Tensor[]");
   // Test hook: NaN-fill the outputs before every launch (off by default).
   m.def("set_poison_outputs(bool enable) -> ()", &selscan::set_poison_outputs);
 }
@@ -141,6 +254,8 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("scan_fwd", &selscan::scan_fwd);
   m.impl("unfused_fwd", &selscan::unfused_fwd);
   m.impl("scan_plan", &selscan::scan_plan_op);
+  m.impl("unfused_fwd_res", &selscan::unfused_fwd_res);
+  m.impl("unfused_bwd", &selscan::unfused_bwd);
 }
 
 // CPU tensors reach the same functions so that the error says what to do instead of "no CPU kernel".
@@ -148,4 +263,6 @@ TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("scan_fwd", &selscan::scan_fwd);
   m.impl("unfused_fwd", &selscan::unfused_fwd);
   m.impl("scan_plan", &selscan::scan_plan_op);
+  m.impl("unfused_fwd_res", &selscan::unfused_fwd_res);
+  m.impl("unfused_bwd", &selscan::unfused_bwd);
 }

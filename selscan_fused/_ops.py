@@ -1,14 +1,23 @@
-"""Python side of the torch.library ops defined in csrc/torch_ops.cpp: fake (meta) implementations,
-so that torch.compile traces them without running them, and the autograd registration."""
+"""Python side of the torch.library ops defined in csrc/torch_ops.cpp and csrc/fused/fused_ops.cpp:
+fake (meta) implementations, so that torch.compile traces them without running them, and the autograd
+registrations.
+
+Training goes through the ops with residuals: `unfused_fwd_res` (y, final state, proj, checkpoints)
+and `fused_fwd_res` (y, final state, checkpoints); their backward is one call of `unfused_bwd` (the
+backward scan kernel and the library products; for the fused path it recomputes proj first). The
+plain forward ops are differentiable too: their backward reruns the forward with residuals first.
+"""
 from __future__ import annotations
 
 import torch
 
 from ._extension import extension_available, fused_extension_available
 
-BACKWARD_MESSAGE = (
-    "selscan_fused: the backward pass of the CUDA paths (impl='unfused', 'fused') is not implemented; "
-    "use impl='reference' to differentiate through the layer")
+CKPT_EVERY = 64  # tokens between the forward's checkpoints (csrc/common/checkpoints.h)
+
+SCAN_BACKWARD_MESSAGE = (
+    "selscan_fused: torch.ops.selscan_fused.scan_fwd (the scan kernel alone on precomputed projections) "
+    "has no backward; differentiate through selscan_fused.selective_scan (impl='unfused' or 'fused')")
 
 
 def _fake_outputs(x: torch.Tensor, A_log: torch.Tensor, return_final_state: bool):
@@ -21,8 +30,67 @@ def _fake_outputs(x: torch.Tensor, A_log: torch.Tensor, return_final_state: bool
     return y, h
 
 
+def _fake_ckpt(x: torch.Tensor, A_log: torch.Tensor):
+    batch, L, Dm = x.shape
+    return x.new_empty((batch, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm, A_log.shape[1]), dtype=torch.float32)
+
+
+def _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT):
+    """Gradients of (x, A_log, W_delta, b_delta, W_B, W_C, D, h0) through one unfused_bwd call."""
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    g = torch.ops.selscan_fused.unfused_bwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, proj, ckpt,
+                                            l_segments)
+    dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, dh0 = g
+    return dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, (dh0 if h0 is not None else None)
+
+
+def _setup_res(ctx, inputs, output):
+    """fused_fwd_res / unfused_fwd_res: keep the inputs and the residuals."""
+    x, A_log, W_delta, b_delta, W_B, W_C, D, h0, l_segments = inputs[:9]
+    if len(output) == 4:  # unfused: (y, final state, proj, ckpt)
+        proj, ckpt = output[2], output[3]
+    else:  # fused: (y, final state, ckpt); the backward recomputes proj
+        proj, ckpt = None, output[2]
+    ctx.save_for_backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt)
+    ctx.l_segments = l_segments
+    ctx.n_inputs = len(inputs)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_res(ctx, dy, dhT, *unused):
+    x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt = ctx.saved_tensors
+    grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, ctx.l_segments, dy, dhT)
+    return grads + (None,) * (ctx.n_inputs - 8)
+
+
+def _setup_plain(ctx, inputs, output):
+    """unfused_fwd / fused_fwd: keep the inputs; the backward reruns the forward with residuals."""
+    ctx.save_for_backward(*inputs[:8])
+    ctx.rest = inputs[8:]  # return_final_state, l_segments[, exp_poly, ring_stages, channel_tile]
+    ctx.set_materialize_grads(False)
+
+
+def _make_backward_plain(fused: bool):
+    def backward(ctx, dy, dhT):
+        x, A_log, W_delta, b_delta, W_B, W_C, D, h0 = ctx.saved_tensors
+        l_segments = ctx.rest[1]
+        if fused:
+            _, _, ckpt = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                               l_segments, *ctx.rest[2:])
+            proj = None
+        else:
+            _, _, proj, ckpt = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D,
+                                                                       h0, l_segments)
+        grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT)
+        return grads + (None,) * len(ctx.rest)
+    return backward
+
+
 def _no_backward(ctx, *grads):
-    raise NotImplementedError(BACKWARD_MESSAGE)
+    raise NotImplementedError(SCAN_BACKWARD_MESSAGE)
 
 
 def _no_setup(ctx, inputs, output):
@@ -35,12 +103,29 @@ if extension_available():
     def _unfused_fwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments):
         return _fake_outputs(x, A_log, return_final_state)
 
+    @torch.library.register_fake("selscan_fused::unfused_fwd_res")
+    def _unfused_fwd_res_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, l_segments):
+        y, h = _fake_outputs(x, A_log, True)
+        batch, L, Dm = x.shape
+        proj = x.new_empty((batch, L, Dm + 2 * A_log.shape[1]))
+        return y, h, proj, _fake_ckpt(x, A_log)
+
+    @torch.library.register_fake("selscan_fused::unfused_bwd")
+    def _unfused_bwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, proj, ckpt, l_segments):
+        batch, _, Dm = x.shape
+        return [torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(A_log),
+                torch.empty_like(W_delta), torch.empty_like(b_delta), torch.empty_like(W_B),
+                torch.empty_like(W_C), torch.empty_like(D),
+                x.new_empty((batch, Dm, A_log.shape[1]), dtype=torch.float32)]
+
     @torch.library.register_fake("selscan_fused::scan_fwd")
     def _scan_fwd_fake(proj, x, A_log, b_delta, D, h0, return_final_state, l_segments):
         return _fake_outputs(x, A_log, return_final_state)
 
-    for _name in ("selscan_fused::unfused_fwd", "selscan_fused::scan_fwd"):
-        torch.library.register_autograd(_name, _no_backward, setup_context=_no_setup)
+    torch.library.register_autograd("selscan_fused::unfused_fwd_res", _backward_res, setup_context=_setup_res)
+    torch.library.register_autograd("selscan_fused::unfused_fwd", _make_backward_plain(False),
+                                    setup_context=_setup_plain)
+    torch.library.register_autograd("selscan_fused::scan_fwd", _no_backward, setup_context=_no_setup)
 
 
 if fused_extension_available():
@@ -50,4 +135,12 @@ if fused_extension_available():
                         exp_poly=False, ring_stages=0, channel_tile=0):
         return _fake_outputs(x, A_log, return_final_state)
 
-    torch.library.register_autograd("selscan_fused::fused_fwd", _no_backward, setup_context=_no_setup)
+    @torch.library.register_fake("selscan_fused::fused_fwd_res")
+    def _fused_fwd_res_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, l_segments, exp_poly=False,
+                            ring_stages=0, channel_tile=0):
+        y, h = _fake_outputs(x, A_log, True)
+        return y, h, _fake_ckpt(x, A_log)
+
+    torch.library.register_autograd("selscan_fused::fused_fwd_res", _backward_res, setup_context=_setup_res)
+    torch.library.register_autograd("selscan_fused::fused_fwd", _make_backward_plain(True),
+                                    setup_context=_setup_plain)

@@ -236,11 +236,22 @@ def selective_scan(
             raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
                              f"this call runs impl={chosen!r}")
         require_extension(chosen)
-        if chosen == "fused":
+        # Training: the ops that also return what the backward needs (the checkpoints, and the unfused
+        # path's projections); their autograd formula runs the backward kernel (selscan_fused/_ops.py).
+        train = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, A_log, W_delta, b_delta, W_B, W_C, D, h0))
+        if chosen == "fused" and train:
+            y, h, _ = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                            int(cfg.l_segments), bool(cfg.exp_poly),
+                                                            int(cfg.ring_stages), int(cfg.channel_tile))
+        elif chosen == "fused":
             y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                      bool(return_final_state), int(cfg.l_segments),
                                                      bool(cfg.exp_poly), int(cfg.ring_stages),
                                                      int(cfg.channel_tile))
+        elif train:
+            y, h, _, _ = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                                 int(cfg.l_segments))
         else:
             y, h = torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                        bool(return_final_state), int(cfg.l_segments))

@@ -16,7 +16,7 @@ def test_extension_loads_where_required():
     assert selscan_fused.extension_available(), _extension.extension_error_message("unfused")
     info = selscan_fused.build_info()
     assert info["TORCH_VERSION"] == torch.__version__
-    for op in ("unfused_fwd", "scan_fwd", "scan_plan", "set_poison_outputs"):
+    for op in ("unfused_fwd", "scan_fwd", "scan_plan", "set_poison_outputs", "unfused_fwd_res", "unfused_bwd"):
         assert hasattr(torch.ops.selscan_fused, op)
 
 

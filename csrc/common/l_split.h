@@ -57,6 +57,21 @@ struct SplitWorkspace {
       for (int n = 0; n < kNS; ++n) hs[n] = fmaf(ex2_approx(A2[n] * sd), hs[n], __ldcg(h + cd * dstate + s0 + n));
     }
   }
+
+  // The backward's mirror image (csrc/scan/scan_bwd_kernel.cuh): segments 1 .. n_segments-1 publish at
+  // index seg - 1 the adjoint a[t0] * g[t0] they pass to their predecessor (from a zero adjoint at
+  // their end) and their sum of dt; segment `seg` folds its successors, last first, into gs (which
+  // holds the gradient of the final state, or zeros): E = pub + exp2(A2 * sum_dt) * E.
+  template <int kNS>
+  __device__ __forceinline__ void fold_reverse(int64_t seg, int64_t n_segments, int64_t b, int64_t d, int s0,
+                                               const float (&A2)[kNS], float (&gs)[kNS]) const {
+    for (int64_t sp = n_segments - 1; sp > seg; --sp) {
+      const int64_t cd = ((sp - 1) * batch + b) * dim + d;
+      const float sd = __ldcg(sum_dt + cd);
+#pragma unroll
+      for (int n = 0; n < kNS; ++n) gs[n] = fmaf(ex2_approx(A2[n] * sd), gs[n], __ldcg(h + cd * dstate + s0 + n));
+    }
+  }
 };
 #endif
 

@@ -592,6 +592,14 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
       // Narrow layout: (dt, dt * x) pairs; B and C by token pairs (Config::kLdBP).
       const float* dtp = Cfg::kNarrow ? &ss.dt[ps][0][2 * c] : &ss.dt[ps][0][c];
+      static_assert(kCkptEvery == kT, "a checkpoint at every scan tile");
+      if (kFull && p.ckpt != nullptr) {  // the state entering token t0, for the backward
+        float* ck = p.ckpt + ((s.b * ckpt_count(p.seqlen) + t0 / kT) * p.dim + d) * kN + n0;
+        CUTE_UNROLL
+        for (int ch = 0; ch < kCh; ++ch)
+          CUTE_UNROLL
+          for (int n = 0; n < kNS; ++n) ck[ch * kN + n] = h[ch][n];
+      }
       const float* bp = Cfg::kNarrow ? &ss.B[ps][0][0] + (n0 / 2) * 4 : &ss.B[ps][0][n0];
       const float* cp = Cfg::kNarrow ? &ss.C[ps][0][0] + (n0 / 2) * 4 : &ss.C[ps][0][n0];
       EO* yp = static_cast<EO*>(p.y) + (s.b * p.seqlen + t0 + g) * p.dim + d;  // token t0 + g

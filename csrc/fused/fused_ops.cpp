@@ -53,12 +53,13 @@ FusedParams make_params(const at::Tensor& x, int64_t batch, int64_t L, int64_t D
   return p;
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::Tensor& A_log,
-                                             const at::Tensor& W_delta, const at::Tensor& b_delta,
-                                             const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
-                                             const c10::optional<at::Tensor>& h0, bool return_final_state,
-                                             int64_t l_segments, bool exp_poly, int64_t ring_stages,
-                                             int64_t channel_tile) {
+// The fused forward; with_ckpt: also the checkpoints for the backward (a third output, else empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in, const at::Tensor& A_log,
+                                                         const at::Tensor& W_delta, const at::Tensor& b_delta,
+                                                         const at::Tensor& W_B, const at::Tensor& W_C,
+                                                         const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+                                                         bool return_final_state, int64_t l_segments, bool exp_poly,
+                                                         int64_t ring_stages, int64_t channel_tile, bool with_ckpt) {
   auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
   check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
   check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
@@ -66,7 +67,11 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
   check_fused_envelope(x_in, Dm, N);
   TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX, "selscan_fused: impl='fused' takes L and batch below 2^31");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  if (batch == 0 || L == 0) return empty_result(x_in, batch, Dm, N, h0, return_final_state);
+  at::Tensor ckpt = at::empty({with_ckpt ? batch : 0, ckpt_count(L), Dm, N}, x_in.options().dtype(at::kFloat));
+  if (batch == 0 || L == 0) {
+    auto [y, hT] = empty_result(x_in, batch, Dm, N, h0, return_final_state);
+    return {y, hT, ckpt};
+  }
 
   // TMA reads 16-byte aligned, contiguous tensors.
   const at::Tensor x = aligned_contiguous(x_in);
@@ -99,12 +104,34 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x_in, const at::T
   if (g_poison_outputs.load(std::memory_order_relaxed)) {
     y.fill_(NAN);
     if (hT.numel() > 0) hT.fill_(NAN);
+    if (ckpt.numel() > 0) ckpt.fill_(NAN);
   }
+  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
   p.y = y.data_ptr();
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch");
+  return {y, hT, ckpt};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta,
+                                             const at::Tensor& b_delta, const at::Tensor& W_B, const at::Tensor& W_C,
+                                             const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+                                             bool return_final_state, int64_t l_segments, bool exp_poly,
+                                             int64_t ring_stages, int64_t channel_tile) {
+  auto [y, hT, ckpt] = run_fused(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,
+                                 exp_poly, ring_stages, channel_tile, false);
   return {y, hT};
+}
+
+// The fused forward for training: y, the final state and the checkpoints (batch, ckpt_count(L), D, N)
+// its backward starts from (selscan_fused::unfused_bwd with proj absent).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_res(
+    const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
+    const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    int64_t l_segments, bool exp_poly, int64_t ring_stages, int64_t channel_tile) {
+  return run_fused(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, true, l_segments, exp_poly, ring_stages,
+                   channel_tile, true);
 }
 
 // [n_segments, seg_len, channel_tile] the fused kernel would use for x's shape.
@@ -129,15 +156,20 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False, "
         "int ring_stages=0, int channel_tile=0) -> (Tensor, Tensor)");
   m.def("fused_plan(Tensor x, int dstate, int l_segments, int channel_tile=0) -> int[]");
+  m.def("fused_fwd_res(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
+        "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_fwd_res", &selscan::fused_fwd_res);
   m.impl("fused_plan", &selscan::fused_plan_op);
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_fwd_res", &selscan::fused_fwd_res);
   m.impl("fused_plan", &selscan::fused_plan_op);
 }

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "../common/checkpoints.h"
 #include "../common/dtype.h"
 #include "../common/l_split.h"
 
@@ -39,6 +40,9 @@ struct FusedParams {
   // Outputs.
   void* y = nullptr;                // (batch, L, D), dtype
   float* final_state = nullptr;     // (batch, D, N) or null
+  // For the backward (common/checkpoints.h): the state entering every kCkptEvery-th token,
+  // (batch, ckpt_count(L), D, N), or null when no backward will follow.
+  float* ckpt = nullptr;
 
   // L split (see scan_params.h: same two-phase scheme, with the projections recomputed in phase 2).
   int64_t n_segments = 1;

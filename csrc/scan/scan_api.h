@@ -1,6 +1,7 @@
 // Host entry points of the unfused scan (no torch headers: see csrc/torch_ops.cpp for the binding).
 #pragma once
 #include <cuda_runtime.h>
+#include "scan_bwd_params.h"
 #include "scan_params.h"
 
 namespace selscan {
@@ -22,5 +23,17 @@ cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int devic
 // Launches the scan on `stream`. p.n_segments/p.seg_len must come from scan_plan and p.workspace must
 // hold scan_workspace_floats(...) floats. Returns the first CUDA error met (launch errors included).
 cudaError_t scan_launch(const ScanParams& p, cudaStream_t stream);
+
+// The backward scan (csrc/scan/scan_bwd_kernel.cuh): its L split (segments of whole checkpoint
+// intervals; requested_segments <= 0: automatic) and channels per CTA, from which the caller sizes
+// the partial-sum buffers of ScanBwdParams.
+struct ScanBwdLaunchInfo {
+  int64_t n_segments;
+  int64_t seg_len;
+  int64_t channel_tile;  // channels per CTA: bc_partial holds ceil(dim / channel_tile) tiles per token
+  int64_t rows_per_col;  // rows of dD_partial / db_partial per (segment, sequence)
+};
+cudaError_t scan_bwd_plan(const ScanBwdParams& p, int64_t requested_segments, int device, ScanBwdLaunchInfo* out);
+cudaError_t scan_bwd_launch(const ScanBwdParams& p, cudaStream_t stream);
 
 }  // namespace selscan

@@ -174,6 +174,14 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
     const int64_t t0 = it.t_begin + k * Tr::kT;
     const int nvalid = int(min_i64(Tr::kT, it.t_end - t0));
     auto& r = s.raw[k & 1];
+    if (kFull && p.ckpt != nullptr && t0 % kCkptEvery == 0) {  // the state entering token t0, for the backward
+      const int64_t d = it.d0 + c;
+      if (d < p.dim) {
+        float* ck = p.ckpt + ((it.b * ckpt_count(p.seqlen) + t0 / kCkptEvery) * p.dim + d) * Tr::kN + g * Tr::kNS;
+#pragma unroll
+        for (int n = 0; n < Tr::kNS; ++n) ck[n] = h[n];
+      }
+    }
     cp_async_wait_all();
     __syncthreads();  // (A) chunk k visible; chunk k-1 fully consumed
     if (k + 1 < n_chunks) {

@@ -5,9 +5,18 @@
 #include <algorithm>
 
 #include "scan_api.h"
+#include "scan_bwd_kernel.cuh"
 #include "scan_kernel.cuh"
 
 namespace selscan {
+
+// Instantiated in scan_<dtype>.cu and scan_bwd_<dtype>.cu (in parallel), not here.
+extern template struct scan::Dispatch<float>;
+extern template struct scan::Dispatch<__nv_bfloat16>;
+extern template struct scan::Dispatch<__half>;
+extern template struct scan_bwd::Dispatch<float>;
+extern template struct scan_bwd::Dispatch<__nv_bfloat16>;
+extern template struct scan_bwd::Dispatch<__half>;
 
 namespace {
 
@@ -20,7 +29,52 @@ cudaError_t occupancy(DType dtype, int64_t dstate, int device, int* blocks, int*
   return cudaErrorInvalidValue;
 }
 
+cudaError_t bwd_occupancy(DType dtype, int64_t dstate, int device, int* blocks, int* dc, int* rows) {
+  switch (dtype) {
+    case DType::kFloat32: return scan_bwd::Dispatch<float>::occupancy(dstate, device, blocks, dc, rows);
+    case DType::kBFloat16: return scan_bwd::Dispatch<__nv_bfloat16>::occupancy(dstate, device, blocks, dc, rows);
+    case DType::kFloat16: return scan_bwd::Dispatch<__half>::occupancy(dstate, device, blocks, dc, rows);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
+
+cudaError_t scan_bwd_plan(const ScanBwdParams& p, int64_t requested_segments, int device, ScanBwdLaunchInfo* out) {
+  constexpr int64_t kMinSegment = 256;  // shortest segment the automatic plan makes
+  int blocks = 0, dc = 0, rows = 0, sms = 0;
+  SELSCAN_RETURN_IF_ERROR(bwd_occupancy(p.dtype, p.dstate, device, &blocks, &dc, &rows));
+  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
+  const int64_t max_segments = (seqlen + kCkptEvery - 1) / kCkptEvery;
+  const int64_t items_per_segment = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
+  int64_t n = 1;
+  if (requested_segments > 0) {
+    n = std::min(requested_segments, max_segments);
+  } else if (items_per_segment < int64_t(sms)) {
+    // As the forward's plan: split only when the items cannot give every SM a CTA, up to the resident
+    // capacity, with segments long enough that phase 1 (the adjoint alone) stays a small share.
+    const int64_t capacity = int64_t(std::max(blocks, 1)) * sms;
+    n = (capacity + items_per_segment - 1) / items_per_segment;
+    n = std::min(n, std::max<int64_t>(1, seqlen / kMinSegment));
+  }
+  split_lengths(seqlen, std::max<int64_t>(n, 1), kCkptEvery, &out->n_segments, &out->seg_len);
+  out->channel_tile = dc;
+  out->rows_per_col = rows;
+  return cudaSuccess;
+}
+
+cudaError_t scan_bwd_launch(const ScanBwdParams& p, cudaStream_t stream) {
+  if (p.n_segments < 1 || p.seg_len < 1 || p.seg_len % kCkptEvery != 0 ||
+      (p.n_segments > 1 && p.workspace == nullptr))
+    return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kFloat32: return scan_bwd::Dispatch<float>::launch(p, stream);
+    case DType::kBFloat16: return scan_bwd::Dispatch<__nv_bfloat16>::launch(p, stream);
+    case DType::kFloat16: return scan_bwd::Dispatch<__half>::launch(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
 
 cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int device, ScanLaunchInfo* out) {
   constexpr int64_t kChunk = 32;        // tokens per chunk (Traits::kT)

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include "../common/dtype.h"
 #include "../common/l_split.h"
+#include "../common/checkpoints.h"
 
 namespace selscan {
 
@@ -31,6 +32,9 @@ struct ScanParams {
   // Outputs.
   void* __restrict__ y = nullptr;               // (batch*seqlen, dim), dtype
   float* __restrict__ final_state = nullptr;    // (batch, dim, dstate), or null when not asked for
+  // For the backward (common/checkpoints.h): the state entering every kCkptEvery-th token,
+  // (batch, ckpt_count(seqlen), dim, dstate), or null when no backward will follow.
+  float* __restrict__ ckpt = nullptr;
 
   // Splitting L. The tokens of a sequence are cut into n_segments segments of seg_len tokens (the last
   // may be shorter). With more than one segment the kernel runs as a cooperative launch: a first phase

@@ -1,0 +1,50 @@
+// Parameters of the backward scan kernel (csrc/scan/scan_bwd_kernel.cuh), shared by both paths'
+// backward: the unfused forward keeps proj = [delta_pre | B | C]; the fused path's backward
+// recomputes it with one library product before the launch.
+//
+// The forward's checkpoints (common/checkpoints.h) give the state at the start of every chunk of
+// kCkptEvery tokens. Torch-free; every offset is 64-bit; counts are in elements.
+#pragma once
+#include <cstdint>
+
+#include "../common/checkpoints.h"
+#include "../common/dtype.h"
+
+namespace selscan {
+
+struct ScanBwdParams {
+  // Sizes.
+  int64_t batch = 0, seqlen = 0, dim = 0, dstate = 0;
+  DType dtype = DType::kFloat32;  // element type of proj, x, dy, dP and dx
+
+  // Inputs. Token r = b * seqlen + t is row r of proj, x, dy, dP and dx.
+  const void* __restrict__ proj = nullptr;  // (batch*seqlen, dim + 2N): [delta_pre | B | C]
+  const void* __restrict__ x = nullptr;     // (batch*seqlen, dim)
+  const void* __restrict__ dy = nullptr;    // (batch*seqlen, dim): the gradient of y
+  const float* __restrict__ A_log = nullptr;    // (dim, N)
+  const float* __restrict__ b_delta = nullptr;  // (dim,)
+  const float* __restrict__ D = nullptr;        // (dim,)
+  const float* __restrict__ dhT = nullptr;      // (batch, dim, N): gradient of the final state, or null
+  const float* __restrict__ ckpt = nullptr;     // (batch, ckpt_count(seqlen), dim, N): the forward's states
+
+  // Outputs (every element written).
+  void* __restrict__ dP = nullptr;       // (batch*seqlen, dim + 2N): columns [0, dim) = dz, the gradient
+                                         // of delta_pre (columns dim.. are filled from bc_partial)
+  void* __restrict__ dx = nullptr;       // (batch*seqlen, dim): the scan's own part of dx,
+                                         // dt * sum_n g * B + D * dy (the products add dP . W)
+  float* __restrict__ bc_partial = nullptr;  // (batch*seqlen, n_tiles, 2N): [dB | dC] per channel tile
+  float* __restrict__ dA_partial = nullptr;  // (n_segments * batch, dim, N): sum of g * dt * a * h_prev
+  float* __restrict__ dD_partial = nullptr;  // (n_segments * batch * kRowsPerCol, dim): sum of dy * x
+  float* __restrict__ db_partial = nullptr;  // (n_segments * batch * kRowsPerCol, dim): sum of dz
+  float* __restrict__ dh0 = nullptr;         // (batch, dim, N): the gradient of the initial state
+
+  // Splitting L (as the forward, mirrored): with n_segments > 1 the launch is cooperative; phase 1
+  // runs the adjoint alone over every segment but the first, from a zero adjoint at its end, and
+  // publishes a[t0] * g[t0] and the segment's sum of dt; after a grid-wide barrier every segment folds
+  // its successors, last first, into the adjoint entering its end and runs the full backward.
+  int64_t n_segments = 1;
+  int64_t seg_len = 0;                   // a multiple of kCkptEvery
+  float* __restrict__ workspace = nullptr;  // split_workspace_floats(batch, dim, N, n_segments) floats
+};
+
+}  // namespace selscan
