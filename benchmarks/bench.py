@@ -45,10 +45,25 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 _flush = None
 
 
-def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
+def median_ms(run, reps: int) -> float:
+    """Median CUDA-event time of run() over reps calls, the L2 flushed (a 256 MB write) before each."""
     global _flush
     if _flush is None:
         _flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(reps):
+        _flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(side):
@@ -61,18 +76,8 @@ def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
         with torch.no_grad(), torch.cuda.graph(g):
             fn()
         run = g.replay
-    times = []
     with torch.no_grad():
-        for _ in range(reps):
-            _flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        return median_ms(run, reps)
 
 
 def make(shape: str, dtype: str):
@@ -147,9 +152,6 @@ def train_step_fn(shape: str, dtype: str, impl: str):
 def time_train(step, reps: int, warmup: int = 3):
     """(gpu ms: median of the step captured in a CUDA graph and replayed; eager ms: median of the plain
     step, host included; peak MiB above the memory allocated before the step)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -162,25 +164,11 @@ def time_train(step, reps: int, warmup: int = 3):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-
-    def median(run):
-        times = []
-        for _ in range(reps):
-            _flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
-
-    eager = median(step)
+    eager = median_ms(step, reps)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    gpu = median(g.replay)
+    gpu = median_ms(g.replay, reps)
     del g
     return gpu, eager, peak
 

@@ -58,6 +58,18 @@ inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_common(const at::Ten
   return {batch, L, Dm, N};
 }
 
+// check_common and the three projection weights (in x's dtype) of the layer ops. Returns (batch, L, D, N).
+inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_layer(
+    const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
+    const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0) {
+  auto dims = check_common(x, A_log, b_delta, D, h0);
+  const int64_t Dm = std::get<2>(dims), N = std::get<3>(dims);
+  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type());
+  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type());
+  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type());
+  return dims;
+}
+
 // 16-byte aligned and contiguous, as the kernels' vector loads need.
 inline at::Tensor aligned_contiguous(const at::Tensor& t) {
   at::Tensor c = t.contiguous();

@@ -98,10 +98,7 @@ std::tuple<at::Tensor, at::Tensor> unfused_fwd(const at::Tensor& x, const at::Te
                                                const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
                                                const c10::optional<at::Tensor>& h0, bool return_final_state,
                                                int64_t l_segments) {
-  auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
-  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type());
-  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type());
-  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type());
+  auto [batch, L, Dm, N] = check_layer(x, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_scan_envelope(Dm, N);
   const c10::cuda::CUDAGuard guard(x.device());
   if (batch == 0 || L == 0) return empty_result(x, batch, Dm, N, h0, return_final_state);
@@ -119,10 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unfused_fwd_res(
     const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
     const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
     int64_t l_segments) {
-  auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
-  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type());
-  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type());
-  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type());
+  auto [batch, L, Dm, N] = check_layer(x, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_scan_envelope(Dm, N);
   const c10::cuda::CUDAGuard guard(x.device());
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -143,10 +137,7 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
                                     const at::Tensor& D, const c10::optional<at::Tensor>& h0, const at::Tensor& dy_in,
                                     const c10::optional<at::Tensor>& dhT, const c10::optional<at::Tensor>& proj_in,
                                     const at::Tensor& ckpt_in, int64_t l_segments) {
-  auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
-  check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
-  check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
-  check_tensor(W_C, "W_C", x_in, {N, Dm}, x_in.scalar_type());
+  auto [batch, L, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_scan_envelope(Dm, N);
   check_tensor(dy_in, "dy (the gradient of y)", x_in, x_in.sizes(), c10::nullopt);
   TORCH_CHECK(dy_in.is_floating_point(), "selscan_fused: dy (the gradient of y) must be floating-point, got ",

@@ -60,10 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in,
                                                          const at::Tensor& D, const c10::optional<at::Tensor>& h0,
                                                          bool return_final_state, int64_t l_segments, bool exp_poly,
                                                          int64_t ring_stages, int64_t channel_tile, bool with_ckpt) {
-  auto [batch, L, Dm, N] = check_common(x_in, A_log, b_delta, D, h0);
-  check_tensor(W_delta, "W_delta", x_in, {Dm, Dm}, x_in.scalar_type());
-  check_tensor(W_B, "W_B", x_in, {N, Dm}, x_in.scalar_type());
-  check_tensor(W_C, "W_C", x_in, {N, Dm}, x_in.scalar_type());
+  auto [batch, L, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_fused_envelope(x_in, Dm, N);
   TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX, "selscan_fused: impl='fused' takes L and batch below 2^31");
   const c10::cuda::CUDAGuard guard(x_in.device());

@@ -43,6 +43,7 @@
 
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
+#include "../common/launch.cuh"
 #include "../common/l_split.h"
 #include "scan_bwd_params.h"
 
@@ -511,24 +512,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks) scan_bwd_kernel(
   }
 }
 
-// Host side: per-device caches of the kernel's attributes.
+// Host side.
 template <class Tr, bool kSplit>
 cudaError_t prepare_kernel(int device, int* blocks_per_sm) {
-  static int cached[64] = {};  // blocks per SM + 1; 0 = not prepared yet
-  if (device >= 0 && device < 64 && cached[device] > 0) {
-    *blocks_per_sm = cached[device] - 1;
-    return cudaSuccess;
-  }
-  auto kernel = scan_bwd_kernel<Tr, kSplit>;
-  const int smem = int(sizeof(SharedStorage<Tr>));
-  SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                               int(cudaSharedmemCarveoutMaxShared)));
-  int blocks = 0;
-  SELSCAN_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Tr::kThreads, smem));
-  if (device >= 0 && device < 64) cached[device] = blocks + 1;
-  *blocks_per_sm = blocks;
-  return cudaSuccess;
+  return selscan::prepare_kernel<scan_bwd_kernel<Tr, kSplit>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)), device,
+                                                            blocks_per_sm);
 }
 
 template <class Tr>
@@ -542,28 +530,9 @@ cudaError_t launch(const ScanBwdParams& p, cudaStream_t stream) {
     scan_bwd_kernel<Tr, false><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
     return cudaGetLastError();
   }
-  int sms = 0;
   SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, true>(device, &blocks));
-  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (blocks < 1) return cudaErrorInvalidConfiguration;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.blockDim = dim3(Tr::kThreads);
-  cfg.dynamicSmemBytes = sizeof(SharedStorage<Tr>);
-  cfg.stream = stream;
-  // Cooperative: every CTA resident at once, so the grid-wide barrier cannot deadlock.
-  cfg.gridDim = dim3(unsigned(min_i64(n_items, int64_t(blocks) * sms)));
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, scan_bwd_kernel<Tr, true>, p);
-  while (err == cudaErrorCooperativeLaunchTooLarge && cfg.gridDim.x > 1) {  // as the forward's launch_split
-    (void)cudaGetLastError();
-    cfg.gridDim.x = (cfg.gridDim.x + 1) / 2;
-    err = cudaLaunchKernelEx(&cfg, scan_bwd_kernel<Tr, true>, p);
-  }
-  return err;
+  return launch_cooperative(scan_bwd_kernel<Tr, true>, p, n_items, blocks, Tr::kThreads,
+                            int(sizeof(SharedStorage<Tr>)), stream);
 }
 
 // One entry per dtype, explicitly instantiated in scan_bwd_<dtype>.cu.

@@ -27,6 +27,7 @@
 
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
+#include "../common/launch.cuh"
 #include "scan_params.h"
 
 namespace selscan {
@@ -347,25 +348,11 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
   }
 }
 
-// Host side: per-device caches of the kernel's attributes.
+// Host side.
 template <class Tr, bool kSplit>
 cudaError_t prepare_kernel(int device, int* blocks_per_sm) {
-  static int cached[64] = {};  // blocks per SM + 1; 0 = not prepared yet
-  if (device >= 0 && device < 64 && cached[device] > 0) {
-    *blocks_per_sm = cached[device] - 1;
-    return cudaSuccess;
-  }
-  auto kernel = scan_fwd_kernel<Tr, kSplit>;
-  const int smem = int(sizeof(SharedStorage<Tr>));
-  SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // All shared memory, no L1 split: the occupancy the cooperative launch is checked against.
-  SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                               int(cudaSharedmemCarveoutMaxShared)));
-  int blocks = 0;
-  SELSCAN_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Tr::kThreads, smem));
-  if (device >= 0 && device < 64) cached[device] = blocks + 1;
-  *blocks_per_sm = blocks;
-  return cudaSuccess;
+  return selscan::prepare_kernel<scan_fwd_kernel<Tr, kSplit>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)), device,
+                                                            blocks_per_sm);
 }
 
 template <class Tr>
@@ -381,32 +368,12 @@ cudaError_t launch_whole(const ScanParams& p, cudaStream_t stream) {
 
 template <class Tr>
 cudaError_t launch_split(const ScanParams& p, cudaStream_t stream) {
-  int device = 0, blocks = 0, sms = 0;
+  int device = 0, blocks = 0;
   SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
   SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, true>(device, &blocks));
-  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (blocks < 1) return cudaErrorInvalidConfiguration;
   const int64_t n_items = p.batch * ((p.dim + Tr::kDc - 1) / Tr::kDc) * p.n_segments;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.blockDim = dim3(Tr::kThreads);
-  cfg.dynamicSmemBytes = sizeof(SharedStorage<Tr>);
-  cfg.stream = stream;
-  // Cooperative: every CTA resident at once, so the grid-wide barrier cannot deadlock.
-  cfg.gridDim = dim3(unsigned(min_i64(n_items, int64_t(blocks) * sms)));
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, scan_fwd_kernel<Tr, true>, p);
-  // The persistent loop takes any grid size: should the driver find fewer co-resident CTAs than the
-  // occupancy query promised, clear that (non-sticky) launch error and retry with half the grid.
-  while (err == cudaErrorCooperativeLaunchTooLarge && cfg.gridDim.x > 1) {
-    (void)cudaGetLastError();
-    cfg.gridDim.x = (cfg.gridDim.x + 1) / 2;
-    err = cudaLaunchKernelEx(&cfg, scan_fwd_kernel<Tr, true>, p);
-  }
-  return err;
+  return launch_cooperative(scan_fwd_kernel<Tr, true>, p, n_items, blocks, Tr::kThreads,
+                            int(sizeof(SharedStorage<Tr>)), stream);
 }
 
 template <class Tr>

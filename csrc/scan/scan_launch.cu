@@ -38,27 +38,35 @@ cudaError_t bwd_occupancy(DType dtype, int64_t dstate, int device, int* blocks, 
   return cudaErrorInvalidValue;
 }
 
+// The L split of both scan kernels: with requested > 0, that many segments (at most one per tile of
+// `tile` tokens); otherwise split only when the (sequence, channel tile) items cannot give every SM a
+// CTA (measured on the H200: with one item per SM or more, splitting costs more than it gains), up to
+// the resident capacity, with segments of at least 256 tokens so that the split's extra pass (the
+// forward's second pass over the exponentials, the backward's adjoint-only phase 1) stays small.
+void plan_split(int64_t seqlen_in, int64_t items_per_segment, int blocks_per_sm, int sms, int64_t requested,
+                int64_t tile, int64_t* n_segments, int64_t* seg_len) {
+  constexpr int64_t kMinSegment = 256;
+  const int64_t seqlen = std::max<int64_t>(seqlen_in, 1);
+  int64_t n = 1;
+  if (requested > 0) {
+    n = std::min(requested, (seqlen + tile - 1) / tile);
+  } else if (items_per_segment < int64_t(sms)) {
+    const int64_t capacity = int64_t(std::max(blocks_per_sm, 1)) * sms;
+    n = std::min((capacity + items_per_segment - 1) / items_per_segment,
+                 std::max<int64_t>(1, seqlen / kMinSegment));
+  }
+  split_lengths(seqlen, std::max<int64_t>(n, 1), tile, n_segments, seg_len);
+}
+
 }  // namespace
 
 cudaError_t scan_bwd_plan(const ScanBwdParams& p, int64_t requested_segments, int device, ScanBwdLaunchInfo* out) {
-  constexpr int64_t kMinSegment = 256;  // shortest segment the automatic plan makes
   int blocks = 0, dc = 0, rows = 0, sms = 0;
   SELSCAN_RETURN_IF_ERROR(bwd_occupancy(p.dtype, p.dstate, device, &blocks, &dc, &rows));
   SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
-  const int64_t max_segments = (seqlen + kCkptEvery - 1) / kCkptEvery;
-  const int64_t items_per_segment = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
-  int64_t n = 1;
-  if (requested_segments > 0) {
-    n = std::min(requested_segments, max_segments);
-  } else if (items_per_segment < int64_t(sms)) {
-    // As the forward's plan: split only when the items cannot give every SM a CTA, up to the resident
-    // capacity, with segments long enough that phase 1 (the adjoint alone) stays a small share.
-    const int64_t capacity = int64_t(std::max(blocks, 1)) * sms;
-    n = (capacity + items_per_segment - 1) / items_per_segment;
-    n = std::min(n, std::max<int64_t>(1, seqlen / kMinSegment));
-  }
-  split_lengths(seqlen, std::max<int64_t>(n, 1), kCkptEvery, &out->n_segments, &out->seg_len);
+  // Segments of whole checkpoint intervals; phase 1 (the adjoint alone) is the split's extra pass.
+  const int64_t items = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
+  plan_split(p.seqlen, items, blocks, sms, requested_segments, kCkptEvery, &out->n_segments, &out->seg_len);
   out->channel_tile = dc;
   out->rows_per_col = rows;
   return cudaSuccess;
@@ -77,26 +85,12 @@ cudaError_t scan_bwd_launch(const ScanBwdParams& p, cudaStream_t stream) {
 }
 
 cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int device, ScanLaunchInfo* out) {
-  constexpr int64_t kChunk = 32;        // tokens per chunk (Traits::kT)
-  constexpr int64_t kMinSegment = 256;  // shortest segment the automatic plan makes
+  constexpr int64_t kChunk = 32;        // tokens per chunk when L is split (TraitsSplit::kT)
   int blocks = 0, dc = 0, sms = 0;
   SELSCAN_RETURN_IF_ERROR(occupancy(p.dtype, p.dstate, device, &blocks, &dc));
   SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
-  const int64_t max_segments = (seqlen + kChunk - 1) / kChunk;
-  const int64_t items_per_segment = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
-  int64_t n = 1;
-  if (requested_segments > 0) {
-    n = std::min(requested_segments, max_segments);
-  } else if (items_per_segment < int64_t(sms)) {
-    // Too few (sequence, channel tile) items to give every SM a CTA: split L until the resident
-    // capacity is covered, but keep segments long enough that the second pass stays a small share.
-    // (Measured on the H200: with one item per SM or more, splitting costs more than it gains.)
-    const int64_t capacity = int64_t(std::max(blocks, 1)) * sms;
-    n = (capacity + items_per_segment - 1) / items_per_segment;
-    n = std::min(n, std::max<int64_t>(1, seqlen / kMinSegment));
-  }
-  split_lengths(seqlen, std::max<int64_t>(n, 1), kChunk, &out->n_segments, &out->seg_len);
+  const int64_t items = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
+  plan_split(p.seqlen, items, blocks, sms, requested_segments, kChunk, &out->n_segments, &out->seg_len);
   return cudaSuccess;
 }
 
