@@ -92,23 +92,33 @@ std::tuple<at::Tensor, at::Tensor> scan_fwd(const at::Tensor& proj, const at::Te
   return run_scan(proj, x, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N);
 }
 
-// The unfused path: one library matrix product for [delta_pre | B | C], then the scan kernel.
+// The unfused path: one library matrix product for [delta_pre | B | C], then the scan kernel. Returns
+// (y, final state, proj); ckpt as in run_scan.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unfused_forward(
+    const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
+    const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    bool return_final_state, int64_t l_segments, at::Tensor* ckpt) {
+  auto [batch, L, Dm, N] = check_layer(x, A_log, W_delta, b_delta, W_B, W_C, D, h0);
+  check_scan_envelope(Dm, N);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (ckpt != nullptr) *ckpt = at::empty({batch, ckpt_count(L), Dm, N}, x.options().dtype(at::kFloat));
+  // The dtypes were settled by the caller: no autocast inside the op.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // cuBLAS, following torch.get_float32_matmul_precision() for float32.
+  const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);                                    // (D + 2N, D)
+  const at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
+  auto [y, hT] = run_scan(proj, x, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N, ckpt);
+  return {y, hT, proj};
+}
+
 std::tuple<at::Tensor, at::Tensor> unfused_fwd(const at::Tensor& x, const at::Tensor& A_log,
                                                const at::Tensor& W_delta, const at::Tensor& b_delta,
                                                const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D,
                                                const c10::optional<at::Tensor>& h0, bool return_final_state,
                                                int64_t l_segments) {
-  auto [batch, L, Dm, N] = check_layer(x, A_log, W_delta, b_delta, W_B, W_C, D, h0);
-  check_scan_envelope(Dm, N);
-  const c10::cuda::CUDAGuard guard(x.device());
-  if (batch == 0 || L == 0) return empty_result(x, batch, Dm, N, h0, return_final_state);
-  // The dtypes were settled by the caller: no autocast inside the op.
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  // cuBLAS, following torch.get_float32_matmul_precision() for float32.
-  const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);            // (D + 2N, D)
-  const at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t());  // (batch*L, D + 2N)
-  return run_scan(proj.view({batch, L, Dm + 2 * N}), x, A_log, b_delta, D, h0, return_final_state, l_segments,
-                  batch, L, Dm, N);
+  auto [y, hT, proj] = unfused_forward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,
+                                       nullptr);
+  return {y, hT};
 }
 
 // The unfused forward for training: also returns proj (kept for the backward) and the checkpoints.
@@ -116,14 +126,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unfused_fwd_res(
     const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
     const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
     int64_t l_segments) {
-  auto [batch, L, Dm, N] = check_layer(x, A_log, W_delta, b_delta, W_B, W_C, D, h0);
-  check_scan_envelope(Dm, N);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  at::Tensor ckpt = at::empty({batch, ckpt_count(L), Dm, N}, x.options().dtype(at::kFloat));
-  const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);
-  at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
-  auto [y, hT] = run_scan(proj, x, A_log, b_delta, D, h0, true, l_segments, batch, L, Dm, N, &ckpt);
+  at::Tensor ckpt;
+  auto [y, hT, proj] = unfused_forward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, true, l_segments, &ckpt);
   return {y, hT, proj, ckpt};
 }
 

@@ -41,6 +41,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "../common/cp_async.cuh"
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
 #include "../common/launch.cuh"
@@ -100,13 +101,6 @@ struct SharedStorage {
   float bias[Tr::kDc];
   float Dskip[Tr::kDc];
 };
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Reduce-scatter of V values over R lanes kStride apart (r: this lane's index among them): afterwards
 // v[0 .. V/R) hold the sums over the R lanes of the original v[r * V/R ..].
@@ -215,6 +209,22 @@ __device__ __forceinline__ void load_vec(const float* src, float (&v)[Tr::kNS]) 
   }
 }
 
+// One token of the forward recurrence for this thread's states: h = a[t] * h + dt * x * B[t]; returns
+// the decays a[t] through `a` (the same arithmetic as the forward scan, so recomputed states match it).
+template <class Tr>
+__device__ __forceinline__ void forward_token(const SharedStorage<Tr>& s, int t, int c, int n0,
+                                              const float (&A2)[Tr::kNS], float (&h)[Tr::kNS],
+                                              float (&a)[Tr::kNS]) {
+  const float dt = s.dt[t][c], dtx = dt * s.x[t][c];
+  float Bv[Tr::kNS];
+  load_vec<Tr>(&s.B[t][n0], Bv);
+#pragma unroll
+  for (int n = 0; n < Tr::kNS; ++n) {
+    a[n] = ex2_approx(dt * A2[n]);
+    h[n] = fmaf(a[n], h[n], dtx * Bv[n]);
+  }
+}
+
 // Per-thread state of one work item, carried across its chunks.
 template <class Tr>
 struct ItemState {
@@ -272,12 +282,8 @@ __device__ __forceinline__ void backward_chunk(SharedStorage<Tr>& s, const ScanB
       for (int n = 0; n < kNS; ++n) s.sub[sc][n][tid] = h[n];
 #pragma unroll
       for (int j = 0; j < kS; ++j) {
-        const int t = sc * kS + j;
-        const float dt = s.dt[t][c], dtx = dt * s.x[t][c];
-        float Bv[kNS];
-        load_vec<Tr>(&s.B[t][n0], Bv);
-#pragma unroll
-        for (int n = 0; n < kNS; ++n) h[n] = fmaf(ex2_approx(dt * st.A2[n]), h[n], dtx * Bv[n]);
+        float a[kNS];
+        forward_token<Tr>(s, sc * kS + j, c, n0, st.A2, h, a);
       }
     }
   }
@@ -292,16 +298,13 @@ __device__ __forceinline__ void backward_chunk(SharedStorage<Tr>& s, const ScanB
     for (int n = 0; n < kNS; ++n) hend[n] = s.sub[sc][n][tid];
 #pragma unroll
     for (int j = 0; j < kS; ++j) {
-      const int t = sc * kS + j;
-      const float dt = s.dt[t][c], dtx = dt * s.x[t][c];
-      float Bv[kNS];
-      load_vec<Tr>(&s.B[t][n0], Bv);
+      float aj[kNS];
 #pragma unroll
-      for (int n = 0; n < kNS; ++n) {
-        const float an = ex2_approx(dt * st.A2[n]);
-        if constexpr (Tr::kKeepA) a[j][n] = an;
-        hp[j][n] = hend[n];
-        hend[n] = fmaf(an, hend[n], dtx * Bv[n]);
+      for (int n = 0; n < kNS; ++n) hp[j][n] = hend[n];
+      forward_token<Tr>(s, sc * kS + j, c, n0, st.A2, hend, aj);
+      if constexpr (Tr::kKeepA) {
+#pragma unroll
+        for (int n = 0; n < kNS; ++n) a[j][n] = aj[n];
       }
     }
     // Reverse, kG tokens per reduction group.

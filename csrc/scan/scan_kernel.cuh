@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "../common/cp_async.cuh"
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
 #include "../common/launch.cuh"
@@ -64,13 +65,6 @@ struct SharedStorage {
   float bias[Tr::kDc];
   float Dskip[Tr::kDc];
 };
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 template <class Tr>
 struct Item {
