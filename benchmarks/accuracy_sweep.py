@@ -1,5 +1,5 @@
 """Relative-error distribution over many fresh seeds, for one shape and precision mode, per path:
-how close a path runs to SPEC.md's bound (the tests check one random instance per run).
+how close a path runs to its bound (docs/math.md, "Accuracy") (the tests check one random instance per run).
 
     python benchmarks/accuracy_sweep.py --shape 1,1,64,16 --mode float32-high --impls fused,unfused --seeds 300
 """

@@ -76,7 +76,7 @@ def main() -> None:
             ok &= err < bound
             print(f"{name:22} {impl:10} {ms:9.3f} {err:11.2e} {bound:7.0e}{'' if err < bound else '  FAIL'}")
     torch.set_float32_matmul_precision("highest")
-    print("all paths within SPEC.md's bounds" if ok else "SOME PATHS EXCEED SPEC.md's BOUNDS")
+    print("all paths within the bounds of docs/math.md" if ok else "SOME PATHS EXCEED THE BOUNDS OF docs/math.md")
     if not ok:
         raise SystemExit(1)
 

@@ -21,7 +21,7 @@ requires_hopper = pytest.mark.skipif(
          and selscan_fused._extension.fused_extension_available()),
     reason="needs an sm_90 GPU (H100/H200) and the fused extension selscan_fused._fused")
 
-# SPEC.md bounds on the relative L2 error against the float64 evaluation.
+# The bounds on the relative L2 error against the float64 evaluation (docs/math.md, "Accuracy").
 TOLERANCE = {
     "float32-highest": 1e-5,
     "float32-high": 1e-3,
@@ -73,13 +73,13 @@ def make_inputs(batch, L, Dm, N, dtype=torch.float32, device="cpu", with_h0=Fals
 
 
 def float64_eval(inp):
-    """The float64 evaluation of SPEC.md: the same (already rounded) values, everything in float64."""
+    """The float64 evaluation (docs/math.md): the same (already rounded) values, everything in float64."""
     f = {k: (v.double() if v is not None else None) for k, v in inp.items()}
     return selective_scan_ref(f["x"], f["A_log"], f["W_delta"], f["b_delta"], f["W_B"], f["W_C"], f["D"], f["h0"])
 
 
 def check_against_float64(inp, y, h, mode):
-    """y and the final state against the float64 evaluation, within SPEC.md's bound for `mode`, and
+    """y and the final state against the float64 evaluation, within docs/math.md's bound for `mode`, and
     every element written (the outputs were NaN-poisoned before the kernel ran)."""
     y64, h64 = float64_eval(inp)
     assert y.dtype == inp["x"].dtype and y.shape == inp["x"].shape

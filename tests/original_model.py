@@ -1,4 +1,4 @@
-"""The original model, written the straightforward way (SPEC.md): nn.Linear projections, every
+"""The original model, written the straightforward way (docs/math.md): nn.Linear projections, every
 (B,L,D,N) intermediate materialised, a Python loop over t. Only the tests use it, to check that
 SelectiveScan loads its state_dict and computes the same function."""
 import torch
