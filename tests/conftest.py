@@ -12,14 +12,76 @@ import selscan_fused  # noqa: E402
 from selscan_fused.reference import selective_scan_ref  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none visible: GPU tests skip)")
-requires_extension = pytest.mark.skipif(
-    not selscan_fused.extension_available(),
-    reason="the CUDA extension selscan_fused._C is not built/loadable here")
-requires_hopper = pytest.mark.skipif(
-    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-         and selscan_fused._extension.fused_extension_available()),
-    reason="needs an sm_90 GPU (H100/H200) and the fused extension selscan_fused._fused")
+
+# What a GPU test needs, as marks: pytest_runtest_setup below skips the test with the first missing
+# piece, raising every skip of one cause from one line, so that `pytest -rs` (pyproject.toml) prints
+# one line per cause with its count.
+requires_cuda = pytest.mark.needs("cuda")
+requires_extension = pytest.mark.needs("extension")
+requires_hopper = pytest.mark.needs("hopper")  # an sm_90 GPU and the fused extension
+
+
+def requires_gpu_memory(gib: int):
+    return pytest.mark.needs(f"gpu_memory:{gib}")
+
+
+def _no_gpu_reason() -> str:
+    if torch.version.cuda is None:
+        return (f"no GPU tests: torch {torch.__version__} is a CPU-only build (a CUDA build of torch and an "
+                "NVIDIA GPU are needed)")
+    return (f"no GPU tests: no CUDA GPU is visible (torch.cuda.is_available() is False; torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda})")
+
+
+def _missing(needs: set):
+    """(cause, reason) of the first piece these needs lack, or None when everything is there."""
+    if needs & {"cuda", "hopper"} or any(n.startswith("gpu_memory") for n in needs):
+        if not HAS_CUDA:
+            return "gpu", _no_gpu_reason()
+    if needs & {"extension", "hopper"} and not selscan_fused.extension_available():
+        msg = selscan_fused._extension.extension_error_message("unfused").split(". Rebuild")[0]
+        return "extension", f"no CUDA-path tests: {msg.removeprefix('selscan_fused: ')}"
+    if "hopper" in needs:
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return "sm90", (f"no impl='fused' tests: the GPU ({torch.cuda.get_device_name()}) is "
+                            f"sm_{cap[0]}{cap[1]}; the fused kernel needs sm_90 (H100/H200)")
+        if not selscan_fused._extension.fused_extension_available():
+            msg = selscan_fused._extension.extension_error_message("fused").split(". Rebuild")[0]
+            return "fused_extension", f"no impl='fused' tests: {msg.removeprefix('selscan_fused: ')}"
+    for n in needs:
+        if n.startswith("gpu_memory:"):
+            gib = int(n.split(":")[1])
+            have = torch.cuda.get_device_properties(0).total_memory / 2**30
+            if have < gib:
+                return "memory", f"needs a GPU with at least {gib} GiB of memory ({have:.0f} GiB here)"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(what): skip unless the machine has it (tests/conftest.py)")
+
+
+def pytest_runtest_setup(item):
+    needs = {m.args[0] for m in item.iter_markers(name="needs")}
+    if not needs:
+        return
+    missing = _missing(needs)
+    if missing is None:
+        return
+    cause, reason = missing
+    # One pytest.skip per cause, each on its own line: pytest folds the skips by where they were raised.
+    if cause == "gpu":
+        pytest.skip(reason)
+    elif cause == "extension":
+        pytest.skip(reason)
+    elif cause == "sm90":
+        pytest.skip(reason)
+    elif cause == "fused_extension":
+        pytest.skip(reason)
+    else:
+        pytest.skip(reason)
+
 
 # The bounds on the relative L2 error against the float64 evaluation (docs/math.md, "Accuracy").
 TOLERANCE = {

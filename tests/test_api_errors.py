@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import selscan_fused
-from conftest import call, make_inputs
+from conftest import call, make_inputs, requires_extension
 
 
 def _inp():
@@ -47,7 +47,7 @@ def test_cpu_tensors_to_cuda_paths():
             call(_inp(), impl)
 
 
-@pytest.mark.skipif(not selscan_fused.extension_available(), reason="extension not built here")
+@requires_extension
 def test_raw_op_rejects_cpu_tensors_clearly():
     inp = _inp()
     with pytest.raises(RuntimeError, match="x is on cpu; the CUDA paths need CUDA tensors"):

@@ -58,3 +58,19 @@ def test_ablation_patch_applies(patch):
     out = subprocess.run(["git", "apply", "--check", f"benchmarks/ablation/{patch}"], cwd=root,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    """.ci/run must run the README's two commands exactly as the README writes them, in a fresh venv with
+    its stock pip: no pip upgrade and nothing installed by hand before them."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]
+    assert len(commands) == 2 and all(commands)
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    body = [line for line in ci if line and not line.startswith("#")]
+    assert body[-2:] == commands, (body[-2:], commands)
+    assert not any("pip install" in line for line in body), "the README's first command installs everything"
+    assert (root / "pyproject.toml").is_file(), "pip 23 needs the PEP 517 build declaration (README)"

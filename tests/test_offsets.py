@@ -4,14 +4,14 @@ than 40 GB of memory (it runs on the H100/H200)."""
 import pytest
 import torch
 
-from conftest import HAS_CUDA, call, check_against_float64, fresh_seed, make_inputs, requires_extension, requires_hopper
+from conftest import (call, check_against_float64, fresh_seed, make_inputs, requires_extension, requires_gpu_memory,
+                      requires_hopper)
 
 BATCH, L, DM, N = 520, 4099, 1024, 16  # 2,182,635,520 elements in x and in y (2^31 = 2,147,483,648)
 
 pytestmark = [
     requires_extension,
-    pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
-                       reason="needs a CUDA GPU with at least 40 GB of memory"),
+    requires_gpu_memory(40),
 ]
 
 
