@@ -31,30 +31,50 @@ inline DType to_dtype(at::ScalarType t, const char* name) {
 }
 
 inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& x, at::IntArrayRef shape,
-                  c10::optional<at::ScalarType> dtype) {
+                  c10::optional<at::ScalarType> dtype, const char* where = "") {
   TORCH_CHECK(t.device() == x.device(), "selscan_fused: ", name, " is on ", t.device(), " but x is on ",
               x.device(), "; all tensors must be on the same device");
-  TORCH_CHECK(t.sizes() == shape, "selscan_fused: ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.sizes() == shape, "selscan_fused: ", name, " has shape ", t.sizes(), ", expected ", shape, where);
   if (dtype) {
     TORCH_CHECK(t.scalar_type() == *dtype, "selscan_fused: ", name, " has dtype ", t.scalar_type(),
                 ", expected ", *dtype);
   }
 }
 
+// x's width against the parameters': when every parameter agrees on a d_model other than x's last
+// dimension, the mistake is x's, and the message says so (rather than blaming the first parameter).
+inline void check_x_width(const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,
+                          const at::Tensor* W_delta, const at::Tensor* W_B, const at::Tensor* W_C) {
+  const int64_t Dm = x.size(2), P = A_log.size(0);
+  if (P == Dm) return;
+  bool agree = b_delta.dim() == 1 && b_delta.size(0) == P && D.dim() == 1 && D.size(0) == P;
+  if (W_delta) agree = agree && W_delta->dim() == 2 && W_delta->size(0) == P && W_delta->size(1) == P;
+  if (W_B) agree = agree && W_B->dim() == 2 && W_B->size(1) == P;
+  if (W_C) agree = agree && W_C->dim() == 2 && W_C->size(1) == P;
+  TORCH_CHECK(!agree, "selscan_fused: x has D = ", Dm, " channels (its last dimension; x has shape ", x.sizes(),
+              ") but the parameters are for D = ", P, " (A_log ", A_log.sizes(), ", b_delta ", b_delta.sizes(),
+              ", D ", D.sizes(), W_delta ? ", W_delta and W_B, W_C of the same width" : "",
+              "): x's last dimension must be the parameters' d_model");
+}
+
 // Shapes shared by every op. Returns (batch, L, D, N).
 inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_common(const at::Tensor& x, const at::Tensor& A_log,
                                                             const at::Tensor& b_delta, const at::Tensor& D,
-                                                            const c10::optional<at::Tensor>& h0) {
+                                                            const c10::optional<at::Tensor>& h0,
+                                                            const at::Tensor* W_delta = nullptr,
+                                                            const at::Tensor* W_B = nullptr,
+                                                            const at::Tensor* W_C = nullptr) {
   TORCH_CHECK(x.is_cuda(), "selscan_fused: x is on ", x.device(),
               "; the CUDA paths need CUDA tensors (impl='reference' runs on the CPU)");
   TORCH_CHECK(x.dim() == 3, "selscan_fused: x must have shape (batch, L, D), got ", x.sizes());
   to_dtype(x.scalar_type(), "x");
   TORCH_CHECK(A_log.dim() == 2, "selscan_fused: A_log must have shape (D, N), got ", A_log.sizes());
+  check_x_width(x, A_log, b_delta, D, W_delta, W_B, W_C);
   const int64_t batch = x.size(0), L = x.size(1), Dm = x.size(2), N = A_log.size(1);
-  check_tensor(A_log, "A_log", x, {Dm, N}, at::kFloat);
-  check_tensor(b_delta, "b_delta", x, {Dm}, at::kFloat);
-  check_tensor(D, "D", x, {Dm}, at::kFloat);
-  if (h0) check_tensor(*h0, "h0", x, {batch, Dm, N}, at::kFloat);
+  check_tensor(A_log, "A_log", x, {Dm, N}, at::kFloat, " (D from x's last dimension)");
+  check_tensor(b_delta, "b_delta", x, {Dm}, at::kFloat, " (D from x's last dimension)");
+  check_tensor(D, "D", x, {Dm}, at::kFloat, " (D from x's last dimension)");
+  if (h0) check_tensor(*h0, "h0", x, {batch, Dm, N}, at::kFloat, " (batch from x, D from x's last dimension, N from A_log)");
   return {batch, L, Dm, N};
 }
 
@@ -62,11 +82,12 @@ inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_common(const at::Ten
 inline std::tuple<int64_t, int64_t, int64_t, int64_t> check_layer(
     const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
     const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0) {
-  auto dims = check_common(x, A_log, b_delta, D, h0);
+  auto dims = check_common(x, A_log, b_delta, D, h0, &W_delta, &W_B, &W_C);
   const int64_t Dm = std::get<2>(dims), N = std::get<3>(dims);
-  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type());
-  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type());
-  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type());
+  const char* dn = " (D from x's last dimension, N from A_log's second)";
+  check_tensor(W_delta, "W_delta", x, {Dm, Dm}, x.scalar_type(), " (D from x's last dimension)");
+  check_tensor(W_B, "W_B", x, {N, Dm}, x.scalar_type(), dn);
+  check_tensor(W_C, "W_C", x, {N, Dm}, x.scalar_type(), dn);
   return dims;
 }
 

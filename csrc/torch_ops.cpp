@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <limits>
 #include <tuple>
 
 #include "op_checks.h"
@@ -201,7 +202,9 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
 
   // The sums over channel tiles, (sequence, segment) items and store rows: fixed-order reductions.
   dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
-  at::Tensor dA_log = dA_part.sum(0).mul_(A_c.exp().neg_());  // dA_log = dA * A, A = -exp(A_log)
+  // dA_log = dA * A, A = -exp(A_log), clamped to -FLT_MAX as in the kernels (decay_rate): past
+  // A_log ~ 88.7 the decay is 0, dA is 0, and 0 * -inf would be NaN.
+  at::Tensor dA_log = dA_part.sum(0).mul_(A_c.exp().neg_().clamp_min_(-std::numeric_limits<float>::max()));
   at::Tensor dD = dDdb_part[0].sum(0);
   at::Tensor db = dDdb_part[1].sum(0);
   const at::Tensor dP2 = dP.view({BL, P});

@@ -18,6 +18,7 @@ UNFUSED_DIM_MULTIPLE = 8
 FUSED_DSTATES = (8, 16, 32, 64)
 FUSED_DIM_MULTIPLE = 64
 FUSED_MAX_DIM = 8192
+FUSED_MAX_COUNT = 2**31  # batch and L each below this (the kernel's tile coordinates are 32-bit)
 # impl='auto' and float32 under matmul precision "highest": the fused kernel (3xTF32) from this many
 # tokens (batch x L) on; measured faster than the unfused path (full-precision cuBLAS SGEMM) on S1-S4
 # (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf-notes.md, fused v2 and v3.
@@ -86,38 +87,98 @@ class ScanConfig:
 DEFAULT_CONFIG = ScanConfig()
 
 
-def _shape_error(name: str, t: torch.Tensor, expected: tuple) -> ValueError:
+def _shape_error(name: str, t: torch.Tensor, expected: tuple, why: str) -> ValueError:
     exp = "(" + ", ".join(str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
-    return ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {exp}")
+    return ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {exp} ({why})")
+
+
+_NAMES = ("x", "A_log", "W_delta", "b_delta", "W_B", "W_C", "D", "h0")
+_FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+
+def _inputs_ok(x, A_log, W_delta, b_delta, W_B, W_C, D, h0) -> bool:
+    """The common case, cheaply: every argument a floating-point tensor of the right shape on x's device.
+    _diagnose_inputs says what is wrong when this is False."""
+    T = torch.Tensor
+    if not (isinstance(x, T) and isinstance(A_log, T) and isinstance(W_delta, T) and isinstance(b_delta, T)
+            and isinstance(W_B, T) and isinstance(W_C, T) and isinstance(D, T)
+            and (h0 is None or isinstance(h0, T))):
+        return False
+    xs, As = x.shape, A_log.shape
+    if len(xs) != 3 or len(As) != 2:
+        return False
+    batch, _, Dm = xs
+    N = As[1]
+    dm1 = (Dm,)
+    if not (As[0] == Dm and W_delta.shape == (Dm, Dm) and b_delta.shape == dm1 and W_B.shape == (N, Dm)
+            and W_C.shape == (N, Dm) and D.shape == dm1 and (h0 is None or h0.shape == (batch, Dm, N))):
+        return False
+    dev = x.device
+    if not (A_log.device == dev and W_delta.device == dev and b_delta.device == dev and W_B.device == dev
+            and W_C.device == dev and D.device == dev and (h0 is None or h0.device == dev)):
+        return False
+    fl = _FLOAT_DTYPES
+    return (x.dtype in fl and A_log.dtype in fl and W_delta.dtype in fl and b_delta.dtype in fl
+            and W_B.dtype in fl and W_C.dtype in fl and D.dtype in fl and (h0 is None or h0.dtype in fl))
 
 
 def _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
-    named = {"x": x, "A_log": A_log, "W_delta": W_delta, "b_delta": b_delta, "W_B": W_B, "W_C": W_C, "D": D}
-    if h0 is not None:
-        named["h0"] = h0
+    if not _inputs_ok(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
+        _diagnose_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+
+
+def _diagnose_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
+    """Raises the error that names what is wrong: the argument, what was expected and where the
+    expectation comes from (D from x's last dimension, N from the parameters)."""
+    named = dict(zip(_NAMES, (x, A_log, W_delta, b_delta, W_B, W_C, D, h0)))
+    if h0 is None:
+        del named["h0"]
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"selscan_fused: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 "
+                            "(and float64 with impl='reference')")
     if x.dim() != 3:
         raise ValueError(f"selscan_fused: x must have shape (batch, L, D), got {tuple(x.shape)}")
     if A_log.dim() != 2:
         raise ValueError(f"selscan_fused: A_log must have shape (D, N), got {tuple(A_log.shape)}")
     batch, _, Dm = x.shape
+    # d_model as each parameter gives it; when they all agree on another width than x's, x is wrong.
+    widths = {"A_log": A_log.shape[0], "W_delta": tuple(W_delta.shape), "b_delta": tuple(b_delta.shape),
+              "W_B": W_B.shape[-1] if W_B.dim() == 2 else None, "W_C": W_C.shape[-1] if W_C.dim() == 2 else None,
+              "D": tuple(D.shape)}
+    P = A_log.shape[0]
+    if P != Dm and widths["W_delta"] == (P, P) and widths["b_delta"] == (P,) and widths["D"] == (P,) \
+            and widths["W_B"] == P and widths["W_C"] == P:
+        raise ValueError(
+            f"selscan_fused: x has D = {Dm} channels (its last dimension; x has shape {tuple(x.shape)}), but "
+            f"the parameters are for D = {P} (A_log {tuple(A_log.shape)}, W_delta {tuple(W_delta.shape)}, "
+            f"b_delta {tuple(b_delta.shape)}, W_B {tuple(W_B.shape)}, W_C {tuple(W_C.shape)}, D {tuple(D.shape)}): "
+            "x's last dimension must be the parameters' d_model")
+    # d_state: A_log's second dimension, unless W_B and W_C agree on another one.
     N = A_log.shape[1]
-    expected = {"A_log": (Dm, N), "W_delta": (Dm, Dm), "b_delta": (Dm,), "W_B": (N, Dm), "W_C": (N, Dm),
-                "D": (Dm,), "h0": (batch, Dm, N)}
+    nB = W_B.shape[0] if W_B.dim() == 2 else None
+    nC = W_C.shape[0] if W_C.dim() == 2 else None
+    if nB is not None and nB == nC and nB != N and A_log.shape[0] == Dm:
+        raise ValueError(
+            f"selscan_fused: A_log has shape {tuple(A_log.shape)}, expected ({Dm}, {nB}) (d_state N = {nB} from "
+            f"W_B {tuple(W_B.shape)} and W_C {tuple(W_C.shape)}, D = {Dm} from x's last dimension)")
+    why_d = f"D = {Dm} from x's last dimension"
+    why_dn = f"D = {Dm} from x's last dimension, N = {N} from A_log's second"
+    expected = {"A_log": ((Dm, N), why_d), "W_delta": ((Dm, Dm), why_d), "b_delta": ((Dm,), why_d),
+                "W_B": ((N, Dm), why_dn), "W_C": ((N, Dm), why_dn), "D": ((Dm,), why_d),
+                "h0": ((batch, Dm, N), f"batch = {batch} from x, {why_dn}")}
     for name, t in named.items():
-        if name != "x" and tuple(t.shape) != expected[name]:
-            raise _shape_error(name, t, expected[name])
+        if name != "x" and tuple(t.shape) != expected[name][0]:
+            raise _shape_error(name, t, *expected[name])
     for name, t in named.items():
         if t.device != x.device:
             raise ValueError(f"selscan_fused: {name} is on {t.device} but x is on {x.device}; "
                              "all tensors must be on the same device")
-    if x.dtype not in CUDA_DTYPES + (torch.float64,):
-        raise TypeError(f"selscan_fused: x has dtype {x.dtype}; supported: float32, bfloat16, float16 "
-                        "(and float64 with impl='reference')")
+    raise AssertionError("selscan_fused: _diagnose_inputs found nothing wrong")  # _inputs_ok disagrees
 
 
 def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
@@ -137,6 +198,10 @@ def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
         if Dm % FUSED_DIM_MULTIPLE != 0 or not FUSED_DIM_MULTIPLE <= Dm <= FUSED_MAX_DIM:
             return (f"d_model D = {Dm} is not supported by impl='fused' (a multiple of {FUSED_DIM_MULTIPLE} "
                     f"from {FUSED_DIM_MULTIPLE} to {FUSED_MAX_DIM}); use impl='unfused'")
+        if x.shape[0] >= FUSED_MAX_COUNT or x.shape[1] >= FUSED_MAX_COUNT:
+            return (f"impl='fused' takes batch and L below 2^31 (got batch = {x.shape[0]}, L = {x.shape[1]}); "
+                    "use impl='unfused', or split the sequences into calls of fewer tokens, each passing "
+                    "its final state on as the next call's h0")
         return None
     if d_state not in UNFUSED_DSTATES:
         return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
@@ -145,6 +210,15 @@ def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
         return (f"d_model D = {Dm} is not supported by impl='{impl}' (D must be a multiple of "
                 f"{UNFUSED_DIM_MULTIPLE}); use impl='reference'")
     return None
+
+
+def _tf32_allowed() -> bool:
+    """Whether float32 products may use TF32: False under torch.set_float32_matmul_precision("highest"),
+    True under "high"/"medium" (or torch.backends.cuda.matmul.allow_tf32 = True). Read through
+    torch._C._get_cublas_allow_tf32, which torch.compile folds to a constant and guards on
+    (torch.get_float32_matmul_precision() breaks the graph, and raises once the legacy and the new
+    precision APIs have both been used). The CUDA ops read the same flag (allowTF32CuBLAS)."""
+    return torch._C._get_cublas_allow_tf32()
 
 
 def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
@@ -163,8 +237,7 @@ def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
     if fused_extension_available() and unsupported_reason("fused", x, d_state) is None:
         if x.dtype in (torch.bfloat16, torch.float16):
             return "fused"
-        if (torch.get_float32_matmul_precision() == "highest"
-                and x.shape[0] * x.shape[1] >= FUSED_FP32_MIN_TOKENS):
+        if not _tf32_allowed() and x.shape[0] * x.shape[1] >= FUSED_FP32_MIN_TOKENS:
             return "fused"
     if extension_available() and unsupported_reason("unfused", x, d_state) is None:
         return "unfused"
@@ -216,43 +289,69 @@ def selective_scan(
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
     # Parameter dtypes: weights in x's dtype, the rest float32 (the reference keeps float64 for float64 x).
-    pdt = torch.float64 if (chosen == "reference" and x.dtype == torch.float64) else torch.float32
-    W_delta, W_B, W_C = W_delta.to(x.dtype), W_B.to(x.dtype), W_C.to(x.dtype)
-    A_log, b_delta, D = A_log.to(pdt), b_delta.to(pdt), D.to(pdt)
-    if h0 is not None:
+    # Converted only where they differ (a .to() that changes nothing still costs a dispatch).
+    xdt = x.dtype
+    pdt = torch.float64 if (chosen == "reference" and xdt == torch.float64) else torch.float32
+    if W_delta.dtype != xdt:
+        W_delta = W_delta.to(xdt)
+    if W_B.dtype != xdt:
+        W_B = W_B.to(xdt)
+    if W_C.dtype != xdt:
+        W_C = W_C.to(xdt)
+    if A_log.dtype != pdt:
+        A_log = A_log.to(pdt)
+    if b_delta.dtype != pdt:
+        b_delta = b_delta.to(pdt)
+    if D.dtype != pdt:
+        D = D.to(pdt)
+    if h0 is not None and h0.dtype != pdt:
         h0 = h0.to(pdt)
 
     if chosen == "reference":
         with torch.autocast(x.device.type, enabled=False):
             y, h = selective_scan_ref(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
-    else:
+        return (y, h) if return_final_state else y
+
+    if impl != "auto":  # 'auto' only picks a path that supports the inputs
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
+    if cfg is not DEFAULT_CONFIG and chosen != "fused" and (cfg.exp_poly or cfg.ring_stages or cfg.channel_tile):
         fused_only = (["exp_poly=True"] if cfg.exp_poly else []) + \
                      ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
                      ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else [])
-        if fused_only and chosen != "fused":
-            raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
-                             f"this call runs impl={chosen!r}")
-        require_extension(chosen)
-        # Training: the ops that also return what the backward needs (the checkpoints, and the unfused
-        # path's projections); their autograd formula runs the backward kernel (selscan_fused/_ops.py).
-        train = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, A_log, W_delta, b_delta, W_B, W_C, D, h0))
-        if chosen == "fused" and train:
+        raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
+                         f"this call runs impl={chosen!r}")
+    require_extension(chosen)
+    # Training: the ops that also return what the backward needs (the checkpoints, and the unfused
+    # path's projections); their autograd formula runs the backward kernel (selscan_fused/_ops.py).
+    train = torch.is_grad_enabled() and (
+        x.requires_grad or A_log.requires_grad or W_delta.requires_grad or b_delta.requires_grad
+        or W_B.requires_grad or W_C.requires_grad or D.requires_grad or (h0 is not None and h0.requires_grad))
+    if train:
+        if chosen == "fused":
             y, h, _ = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
-                                                            int(cfg.l_segments), bool(cfg.exp_poly),
-                                                            int(cfg.ring_stages), int(cfg.channel_tile))
-        elif chosen == "fused":
-            y, h = torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
-                                                     bool(return_final_state), int(cfg.l_segments),
-                                                     bool(cfg.exp_poly), int(cfg.ring_stages),
-                                                     int(cfg.channel_tile))
-        elif train:
-            y, h, _, _ = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
-                                                                 int(cfg.l_segments))
+                                                            cfg.l_segments, cfg.exp_poly, cfg.ring_stages,
+                                                            cfg.channel_tile)
         else:
-            y, h = torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
-                                                       bool(return_final_state), int(cfg.l_segments))
+            y, h, _, _ = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                                 cfg.l_segments)
+        return (y, h) if return_final_state else y
+    # No gradient needed. In eager mode the op is called below the autograd dispatch key: its autograd
+    # kernel (torch.library's, in Python) would only pass the call on, at a few microseconds per call.
+    if torch.compiler.is_compiling():
+        y, h = _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, cfg)
+    else:
+        with torch._C._AutoDispatchBelowAutograd():
+            y, h = _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, cfg)
     return (y, h) if return_final_state else y
+
+
+def _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, cfg):
+    if chosen == "fused":
+        if cfg is DEFAULT_CONFIG:  # the schema's defaults for the rest (each argument passed costs a conversion)
+            return torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, 0)
+        return torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state,
+                                                 cfg.l_segments, cfg.exp_poly, cfg.ring_stages, cfg.channel_tile)
+    return torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state,
+                                               cfg.l_segments)

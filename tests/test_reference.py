@@ -87,3 +87,33 @@ def test_nan_and_inf_propagate():
     inp["D"][1] = float("inf")
     y = call(inp, "reference")
     assert torch.isinf(y[0, :, 1]).all() and torch.isfinite(y[0, :, 0]).all()
+
+
+def test_module_reads_replaced_and_parametrized_weights():
+    """SelectiveScan reads its parameters from the parameter dictionaries (host overhead), falling back
+    to the ordinary lookup: a replaced parameter and a parametrization (torch.nn.utils.parametrize)
+    must both be seen, and to_op_dtypes keeps the values."""
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    layer = selscan_fused.SelectiveScan(64, 8, impl="reference").double()
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    y0 = layer(x)
+    args = lambda l: (l.A_log, l.proj_delta.weight, l.proj_delta.bias, l.proj_B.weight, l.proj_C.weight, l.D)  # noqa: E731
+    assert torch.equal(y0, selscan_fused.selective_scan(x, *args(layer), impl="reference"))
+    layer.proj_B.weight = torch.nn.Parameter(layer.proj_B.weight.detach() * 3)
+    y1 = layer(x)
+    assert torch.equal(y1, selscan_fused.selective_scan(x, *args(layer), impl="reference")) and not torch.equal(y0, y1)
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+    parametrize.register_parametrization(layer.proj_delta, "weight", Double())
+    y2 = layer(x)
+    assert torch.equal(y2, selscan_fused.selective_scan(x, *args(layer), impl="reference")) and not torch.equal(y1, y2)
+
+    layer32 = selscan_fused.SelectiveScan(64, 8, impl="reference")
+    w = layer32.proj_delta.weight.detach().clone()
+    layer32.to_op_dtypes(torch.bfloat16)
+    assert layer32.proj_delta.weight.dtype == torch.bfloat16 and layer32.A_log.dtype == torch.float32
+    assert layer32.proj_delta.bias.dtype == torch.float32 and layer32.D.dtype == torch.float32
+    assert torch.equal(layer32.proj_delta.weight.float(), w.bfloat16().float())

@@ -48,6 +48,15 @@ __device__ __forceinline__ float softplus_noselect(float v) {
   return fmaf(l, kLn2, fmaxf(v, 0.f));
 }
 
+// scale * A with A = -exp(A_log) (scale 1, or log2(e) for ex2_approx), clamped to -FLT_MAX where it
+// would be -inf (A_log above ~88.7, or +inf). The kernels pad a tile past L with dt = 0, whose step
+// exp(0 * A) = 1 must stay the identity: -inf * 0 is NaN, -FLT_MAX * 0 is 0 (it would otherwise turn a
+// finite final state into NaN). For every dt > 2^-100 the decay is still exactly 0. NaN stays NaN.
+__device__ __forceinline__ float decay_rate(float A_log, float scale) {
+  const float a = -__expf(A_log) * scale;
+  return a < -3.402823466e38f ? -3.402823466e38f : a;
+}
+
 template <class T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -2,6 +2,7 @@
 #include <cute/numeric/numeric_types.hpp>
 
 #include <algorithm>
+#include <atomic>
 
 #include "../common/cuda_check.h"
 #include "fused_api.h"
@@ -9,6 +10,13 @@
 #include "fused_instances.h"
 
 namespace selscan {
+
+namespace {
+std::atomic<bool> g_descriptor_cache{true};
+}  // namespace
+
+bool fused_descriptor_cache_enabled() { return g_descriptor_cache.load(std::memory_order_relaxed); }
+void fused_set_descriptor_cache(bool enable) { g_descriptor_cache.store(enable, std::memory_order_relaxed); }
 
 bool fused_available(int device) {
   int major = 0, minor = 0;

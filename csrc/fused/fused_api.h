@@ -50,6 +50,11 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
 // bound of FusedParams::ring_stages); 0 if the combination has no kernel.
 int fused_max_ring_stages(DType dtype, int64_t dstate, bool fp32_3xtf32);
 
+// Whether the launchers reuse the TMA descriptors of the previous call on the thread for the same
+// tensors (default true; fused_set_descriptor_cache(false) encodes every descriptor in every call).
+bool fused_descriptor_cache_enabled();
+void fused_set_descriptor_cache(bool enable);
+
 // Launches on `stream` (p.n_segments/seg_len from fused_plan, p.workspace sized by
 // split_workspace_floats). Returns the first CUDA error met.
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);

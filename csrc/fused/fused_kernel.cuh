@@ -37,6 +37,11 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstring>
+#include <new>
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -252,7 +257,12 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
 // Tensor cores: products, softplus epilogue, hand-off.
 
 // 3xTF32 ("highest"): the remainders v - tf32(v) of the stage (the tensor cores truncate v to tf32).
-__device__ __forceinline__ float tf32_remainder(float f) { return f - __uint_as_float(__float_as_uint(f) & 0xffffe000u); }
+// An infinite v is its own TF32 value: its remainder is 0, not inf - inf = NaN (which would turn a
+// product with an infinite weight into NaN where float32 gives +-inf); a NaN's remainder stays NaN.
+__device__ __forceinline__ float tf32_remainder(float f) {
+  const float hi = __uint_as_float(__float_as_uint(f) & 0xffffe000u);
+  return f == hi ? 0.f : f - hi;
+}
 
 // 1xTF32 ("high"): round to nearest in place (truncation by the tensor cores is a bias that costs ~2x the
 // error). The tensor cores read the top 19 bits only, so adding half a TF32 unit (bit 12) is the whole
@@ -568,7 +578,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
     CUTE_UNROLL
     for (int ch = 0; ch < kCh; ++ch) {
       CUTE_UNROLL
-      for (int n = 0; n < kNS; ++n) A2[ch][n] = -__expf(p.A_log[(d + ch) * kN + n0 + n]) * kLog2e;
+      for (int n = 0; n < kNS; ++n) A2[ch][n] = decay_rate(p.A_log[(d + ch) * kN + n0 + n], kLog2e);
       dskip[ch] = p.D[d + ch];
       sum_dt[ch] = 0.f;
       if (kFull) {
@@ -872,26 +882,89 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
 // ---------------------------------------------------------------------------------------------------
 // Host side.
 
+// The TMA descriptors: x's two (operand tiles, scan tiles) and the three weights'. Encoding one is
+// host work in every call; fused_args() below reuses those whose tensor is the same.
 template <class Cfg>
-auto make_tmas(const FusedParams& p) {
+auto make_x_tmas(const FusedParams& p) {
   using TE = typename Cfg::TmaElement;
-  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
+  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch);
   const int64_t ld = p.dim;
   auto gx = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.x)),
                         make_layout(make_shape(L, Dm, Bt), make_stride(ld, _1{}, int64_t(L) * ld)));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXTma{}(_, _, 0));
+  auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
+  return cute::make_tuple(tma_x, tma_xt);
+}
+
+template <class Cfg>
+auto make_w_tmas(const FusedParams& p) {
+  using TE = typename Cfg::TmaElement;
+  const int Dm = int(p.dim), N = int(p.dstate);
+  const int64_t ld = p.dim;
   auto gwd = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_delta)),
                          make_layout(make_shape(Dm, Dm), make_stride(ld, _1{})));
   auto gwb = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_B)),
                          make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
   auto gwc = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_C)),
                          make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
-  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXTma{}(_, _, 0));
-  auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
   auto tma_wd = make_tma_copy(SM90_TMA_LOAD{}, gwd, typename Cfg::SmemLayoutWdTma1{});
   auto tma_wb = make_tma_copy(SM90_TMA_LOAD{}, gwb, typename Cfg::SmemLayoutWnTma1{});
   auto tma_wc = make_tma_copy(SM90_TMA_LOAD{}, gwc, typename Cfg::SmemLayoutWnTma1{});
-  return KernelArgs<Cfg, decltype(tma_x), decltype(tma_xt), decltype(tma_wd), decltype(tma_wb)>{
-      tma_x, tma_xt, tma_wd, tma_wb, tma_wc, p};
+  return cute::make_tuple(tma_wd, tma_wb, tma_wc);
+}
+
+template <class Cfg>
+auto make_tmas(const FusedParams& p) {
+  auto xt = make_x_tmas<Cfg>(p);
+  auto wt = make_w_tmas<Cfg>(p);
+  return KernelArgs<Cfg, cute::remove_cvref_t<decltype(get<0>(xt))>, cute::remove_cvref_t<decltype(get<1>(xt))>,
+                    cute::remove_cvref_t<decltype(get<0>(wt))>, cute::remove_cvref_t<decltype(get<1>(wt))>>{
+      get<0>(xt), get<1>(xt), get<0>(wt), get<1>(wt), get<2>(wt), p};
+}
+
+// The kernel's arguments for p, with the descriptors of the last call on this thread reused where they
+// describe the same tensor: a descriptor holds only the address, the sizes and the strides (all in the
+// key below), never the data, so a reused one is the one that encoding would give. The weights are
+// the same tensors from call to call; x is when a caller reuses its buffer (a decode loop).
+// fused_descriptor_cache_enabled() off: everything encoded in every call (tests compare the two).
+template <class Cfg, class Args>
+Args fused_args(const FusedParams& p, int device) {
+  struct Cache {
+    bool w_valid = false, x_valid = false;
+    int device = -1;
+    const void *wd = nullptr, *wb = nullptr, *wc = nullptr, *x = nullptr;
+    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1;
+    alignas(64) unsigned char args[sizeof(Args)];
+  };
+  thread_local Cache c;
+  static_assert(std::is_trivially_copyable_v<Args>, "the kernel arguments are copied as bytes");
+  if (!fused_descriptor_cache_enabled()) {
+    c.w_valid = c.x_valid = false;
+    return make_tmas<Cfg>(p);
+  }
+  const bool same_w = c.w_valid && c.device == device && c.wd == p.W_delta && c.wb == p.W_B && c.wc == p.W_C &&
+                      c.dim == p.dim && c.dstate == p.dstate;
+  const bool same_x = same_w && c.x_valid && c.x == p.x && c.seqlen == p.seqlen && c.batch == p.batch;
+  Args* cached = std::launder(reinterpret_cast<Args*>(c.args));
+  if (!same_w) {
+    const Args fresh = make_tmas<Cfg>(p);
+    std::memcpy(c.args, &fresh, sizeof(Args));
+  } else {
+    if (!same_x) {
+      auto xt = make_x_tmas<Cfg>(p);
+      const auto tx = get<0>(xt);
+      const auto txt = get<1>(xt);
+      static_assert(sizeof(tx) == sizeof(cached->tma_x) && sizeof(txt) == sizeof(cached->tma_xt));
+      std::memcpy(static_cast<void*>(&cached->tma_x), &tx, sizeof(tx));
+      std::memcpy(static_cast<void*>(&cached->tma_xt), &txt, sizeof(txt));
+    }
+    std::memcpy(static_cast<void*>(&cached->p), &p, sizeof(FusedParams));
+  }
+  c.w_valid = c.x_valid = true;
+  c.device = device;
+  c.wd = p.W_delta; c.wb = p.W_B; c.wc = p.W_C; c.x = p.x;
+  c.dim = p.dim; c.dstate = p.dstate; c.seqlen = p.seqlen; c.batch = p.batch;
+  return *cached;
 }
 
 template <class Cfg>
@@ -904,11 +977,11 @@ struct Launcher {
   static_assert(kFusedTokenTile % Cfg::kTM == 0, "L segments must be whole tensor-core tiles");
 
   static cudaError_t prepare(int device) {
-    static bool done[64] = {};
-    if (device >= 0 && device < 64 && done[device]) return cudaSuccess;
+    static std::atomic<bool> done[64] = {};  // two threads' first calls may both set the attribute
+    if (device >= 0 && device < 64 && done[device].load(std::memory_order_acquire)) return cudaSuccess;
     SELSCAN_RETURN_IF_ERROR(
         cudaFuncSetAttribute(fused_kernel<Cfg, Args>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    if (device >= 0 && device < 64) done[device] = true;
+    if (device >= 0 && device < 64) done[device].store(true, std::memory_order_release);
     return cudaSuccess;
   }
 
@@ -921,7 +994,7 @@ struct Launcher {
     FusedParams q = p;
     if (q.ring_stages == 0) q.ring_stages = Cfg::kStages;  // default: every stage that fits
     if (q.ring_stages < 2 || q.ring_stages > Cfg::kStages) return cudaErrorInvalidValue;
-    const Args args = make_tmas<Cfg>(q);
+    const Args args = fused_args<Cfg, Args>(q, device);
     const int64_t n_streams = p.batch * (p.dim / Cfg::kDt) * p.n_segments;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];

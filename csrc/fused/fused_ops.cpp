@@ -43,17 +43,18 @@ FusedParams make_params(const at::Tensor& x, int64_t batch, int64_t L, int64_t D
   FusedParams p;
   p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
   p.dtype = to_dtype(x.scalar_type(), "x");
-  // float32 products follow torch.get_float32_matmul_precision(): "highest" -> 3xTF32, else TF32 --
+  // float32 products follow torch's TF32 switch for cuBLAS (allowTF32CuBLAS: off under
+  // set_float32_matmul_precision("highest"), on under "high"/"medium"): off -> 3xTF32, on -> TF32 --
   // except for tiny calls (at most kFusedTf32MinOutputs outputs), which take 3xTF32 whatever the
   // precision: over so few outputs the relative error of TF32 products has a heavy tail (1, 1, 64, 16:
   // 3 of 300 random draws above the 1e-3 bound; benchmarks/accuracy_sweep.py), and such calls are
   // launch-bound, so the split costs little (S5 float32: 0.032 ms against 0.028 with TF32).
-  p.fp32_3xtf32 = at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::HIGHEST ||
+  p.fp32_3xtf32 = !at::globalContext().allowTF32CuBLAS() ||
                   batch * L * Dm <= kFusedTf32MinOutputs;
   return p;
 }
 
-// The fused forward; with_ckpt: also the checkpoints for the backward (a third output, else empty).
+// The fused forward; with_ckpt: also the checkpoints for the backward (a third output, else undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in, const at::Tensor& A_log,
                                                          const at::Tensor& W_delta, const at::Tensor& b_delta,
                                                          const at::Tensor& W_B, const at::Tensor& W_C,
@@ -62,9 +63,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in,
                                                          int64_t ring_stages, int64_t channel_tile, bool with_ckpt) {
   auto [batch, L, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_fused_envelope(x_in, Dm, N);
-  TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX, "selscan_fused: impl='fused' takes L and batch below 2^31");
+  TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX, "selscan_fused: impl='fused' takes batch and L below 2^31 (got ",
+              "batch = ", batch, ", L = ", L, "); use impl='unfused', or split the sequences into calls of fewer ",
+              "tokens, each passing its final state on as the next call's h0");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor ckpt = at::empty({with_ckpt ? batch : 0, ckpt_count(L), Dm, N}, x_in.options().dtype(at::kFloat));
+  // The checkpoints exist only for fused_fwd_res (fused_fwd drops the third output unallocated).
+  at::Tensor ckpt;
+  if (with_ckpt) ckpt = at::empty({batch, ckpt_count(L), Dm, N}, x_in.options().dtype(at::kFloat));
   if (batch == 0 || L == 0) {
     auto [y, hT] = empty_result(x_in, batch, Dm, N, h0, return_final_state);
     return {y, hT, ckpt};
@@ -97,11 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in,
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
-  at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
+  at::Tensor ws;
+  if (ws_floats > 0) ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   if (g_poison_outputs.load(std::memory_order_relaxed)) {
     y.fill_(NAN);
     if (hT.numel() > 0) hT.fill_(NAN);
-    if (ckpt.numel() > 0) ckpt.fill_(NAN);
+    if (with_ckpt && ckpt.numel() > 0) ckpt.fill_(NAN);
   }
   p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
   p.y = y.data_ptr();
@@ -144,6 +150,7 @@ std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t 
 }
 
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
+void fused_set_descriptor_cache_op(bool enable) { fused_set_descriptor_cache(enable); }
 
 }  // namespace
 }  // namespace selscan
@@ -157,6 +164,8 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
+  // Test and benchmark hook: off, every call encodes all its TMA descriptors (fused_api.h).
+  m.def("fused_set_descriptor_cache(bool enable) -> ()", &selscan::fused_set_descriptor_cache_op);
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {

@@ -413,9 +413,9 @@ __device__ __forceinline__ void load_item_params(SharedStorage<Tr>& s, const Sca
   }
 #pragma unroll
   for (int n = 0; n < Tr::kNS; ++n) {
-    const float A = d < p.dim ? -__expf(p.A_log[d * Tr::kN + n0 + n]) : 0.f;
-    st.A[n] = A;
-    st.A2[n] = A * kLog2e;
+    const float A_log = d < p.dim ? p.A_log[d * Tr::kN + n0 + n] : -INFINITY;  // A = 0 past D
+    st.A[n] = decay_rate(A_log, 1.f);
+    st.A2[n] = decay_rate(A_log, kLog2e);
     st.g[n] = 0.f;
     st.an[n] = 1.f;
     st.dA[n] = 0.f;

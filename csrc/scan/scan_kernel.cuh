@@ -289,7 +289,7 @@ __device__ __forceinline__ void load_channel_params(SharedStorage<Tr>& s, const 
   }
 #pragma unroll
   for (int n = 0; n < Tr::kNS; ++n)
-    A2[n] = d < p.dim ? -__expf(p.A_log[d * Tr::kN + g * Tr::kNS + n]) * kLog2e : 0.f;
+    A2[n] = d < p.dim ? decay_rate(p.A_log[d * Tr::kN + g * Tr::kNS + n], kLog2e) : 0.f;
   // bias/Dskip are read after the (A) barrier of the first chunk.
 }
 

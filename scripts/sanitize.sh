@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# compute-sanitizer over both CUDA paths, forward and backward (scripts/sanitize_cases.py's grid), one
+# tool at a time: memcheck, racecheck, synccheck, initcheck. Needs a GPU, the built extension and
+# compute-sanitizer (CUDA toolkit). Writes each tool's log to LOGDIR and prints a summary; exits 1 if
+# any tool reported an error. docs/reliability.md records the result.
+#
+#   scripts/sanitize.sh [LOGDIR] [TOOL ...]
+#
+# SELSCAN_SANITIZE_FULL=1 runs the whole grid under every tool; by default each tool runs a third of it
+# (every shape, every N and dtype, both layouts and the L split still appear: sanitize_cases.py --quick),
+# which takes minutes rather than tens of minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-/tmp/selscan-sanitize}
+shift || true
+TOOLS=${*:-memcheck racecheck synccheck initcheck}
+PY=${PYTHON:-python3}
+CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
+[ -x "$CS" ] || { echo "compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; }
+mkdir -p "$LOG"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Every tensor its own cudaMalloc: an access past a tensor's end is past an allocation's end, which
+# memcheck sees (inside the caching allocator's pool it would not be).
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+status=0
+for tool in $TOOLS; do
+  args=()
+  quick=(--quick)
+  [ "${SELSCAN_SANITIZE_FULL:-0}" = 1 ] && quick=()
+  case $tool in
+    memcheck) args=(--leak-check no) ;;
+    racecheck) args=(--racecheck-report hazard) ;;
+    initcheck) args=(--track-unused-memory no) ;;
+  esac
+  t0=$(date +%s)
+  "$CS" --tool "$tool" "${args[@]}" --error-exitcode 99 --print-limit 50 --target-processes all \
+    $PY scripts/sanitize_cases.py "${quick[@]}" > "$LOG/$tool.log" 2>&1
+  rc=$?
+  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG/$tool.log" | tail -n 1)
+  runs=$(grep -E "forward\+backward runs" "$LOG/$tool.log" | tail -n 1)
+  echo "$tool: rc=$rc, $(( $(date +%s) - t0 )) s: ${summary:-no summary} | ${runs:-workload did not finish}"
+  [ $rc -eq 0 ] || { status=1; grep -E "=========" "$LOG/$tool.log" | head -n 30; tail -n 5 "$LOG/$tool.log"; }
+done
+exit $status

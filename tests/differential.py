@@ -1,0 +1,230 @@
+"""Randomized differential testing of the CUDA paths against the float64 evaluation (docs/reliability.md).
+
+A case is drawn from (seed, index) alone, so that a failure is replayed by its one-line reproducer:
+
+    python scripts/differential.py --seed SEED --only INDEX
+
+Each case: a path ('unfused' or 'fused') and a dtype / float32 matmul precision; batch, L, D, N within
+the path's envelope (L from 1 to 4097, log-uniform, batch 1 with long L so that the L split runs);
+with or without h0; and parameter scales far from the initialisation: A_log from -8 to 4 (decays from
+exactly 1 to exactly 0 in float32), x from 1e-3 to 1e3, the delta projection scaled and biased so that
+softplus arguments run past -20 and +20 and delta spans about 1e-4 to 1e2 (float16 cases stay inside its
+range: x up to 3, delta up to about 5). A third of the cases run the backward too, against float64 autograd.
+
+The bound. Far from the initialisation the problem itself can be ill-conditioned (a softplus argument
+that cancels, a decay raised to thousands of tokens), so the float32 evaluation of the same formulas
+in plain PyTorch (selscan_fused.reference in float32, the same matmul precision) is run beside the path:
+a path passes when its relative L2 error against float64 is within docs/math.md's bound for its mode,
+or within 4x the float32 evaluation's own error, or within 3x the error of the float64 values rounded
+to the output's dtype (float16 gradients in the subnormal range), whichever is largest. Non-finite
+values must be where the float64 evaluation, rounded to the output's dtype, has them, and nowhere else.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+
+import selscan_fused
+from selscan_fused.reference import selective_scan_ref
+
+TOLERANCE = {"float32-highest": 1e-5, "float32-high": 1e-3, "bfloat16": 1e-2, "float16": 3e-3}
+DTYPE = {"float32-highest": torch.float32, "float32-high": torch.float32, "bfloat16": torch.bfloat16,
+         "float16": torch.float16}
+GRAD_NAMES = ("x", "A_log", "W_delta", "b_delta", "W_B", "W_C", "D", "h0")
+
+
+@dataclass
+class Case:
+    seed: int
+    index: int
+    impl: str
+    mode: str
+    batch: int
+    L: int
+    Dm: int
+    N: int
+    with_h0: bool
+    a_log_lo: float
+    a_log_hi: float
+    x_scale: float
+    z_scale: float     # std of the delta projection's product part (softplus argument minus bias)
+    b_lo: float        # delta bias range (softplus argument offsets)
+    b_hi: float
+    backward: bool
+
+    def line(self) -> str:
+        return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
+
+
+def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
+    r = random.Random(f"{seed}:{index}")
+    impl = r.choice(impls)
+    mode = r.choice(list(TOLERANCE))
+    N = r.choice([8, 16, 32, 64])
+    if impl == "fused":
+        Dm = 64 * r.choice([1, 1, 2, 3, 4, 8, 16, 32])
+    else:
+        Dm = 8 * r.choice([1, 2, 5, 8, 16, 33, 64, 128, 256])
+    L = max(1, int(round(math.exp(r.uniform(0.0, math.log(4097))))))
+    if r.random() < 0.15:
+        L = r.choice([1, 7, 1000, 4097])
+    batch = r.choice([1, 1, 2, 3]) if L > 1500 else r.choice([1, 2, 3, 5])
+    while batch * L * Dm > 3_000_000 and Dm > 64:  # keeps the float64 evaluation quick
+        Dm //= 2
+    if impl == "fused":
+        Dm = max(64, Dm - Dm % 64)
+    lo, hi = sorted((r.uniform(-8.0, 4.0), r.uniform(-8.0, 4.0)))
+    x_scale = 10 ** r.uniform(-3.0, 3.0)
+    z_scale = 10 ** r.uniform(-2.0, 1.5)
+    b_lo, b_hi = sorted((r.uniform(-25.0, 25.0), r.uniform(-25.0, 100.0)))
+    if mode == "float16":  # y, the products and the gradients mostly inside float16's range
+        x_scale = min(x_scale, 3.0)
+        b_hi = min(b_hi, 5.0)
+        b_lo = min(b_lo, b_hi)
+    return Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
+                r.random() < 1 / 3)
+
+
+def case_inputs(c: Case, device="cuda"):
+    g = torch.Generator(device="cpu").manual_seed(c.seed * 1_000_003 + c.index)
+    dt = DTYPE[c.mode]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def uni(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=g)
+
+    x = rnd(c.batch, c.L, c.Dm) * c.x_scale
+    W_delta = rnd(c.Dm, c.Dm) * (c.z_scale / (c.x_scale * math.sqrt(c.Dm)))
+    inp = dict(
+        x=x.to(dt),
+        A_log=uni(c.a_log_lo, c.a_log_hi, c.Dm, c.N),
+        W_delta=W_delta.to(dt),
+        b_delta=uni(c.b_lo, c.b_hi, c.Dm),
+        W_B=(rnd(c.N, c.Dm) * c.Dm ** -0.5).to(dt),
+        W_C=(rnd(c.N, c.Dm) * c.Dm ** -0.5).to(dt),
+        D=rnd(c.Dm),
+        h0=rnd(c.batch, c.Dm, c.N) * c.x_scale if c.with_h0 else None,
+    )
+    return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
+
+
+def _precision(mode):
+    return "high" if mode == "float32-high" else "highest"
+
+
+def _ref(inp, dtype):
+    """selective_scan_ref in `dtype`: float64, the float64 evaluation (float64 leaves, nothing rounded);
+    float32, plain PyTorch on the user's tensors (y and the gradients in their dtypes, as the paths')."""
+    f = {k: (v.to(dtype) if v is not None else None) for k, v in inp.items()}
+    if dtype == torch.float32:
+        f["x"] = inp["x"]  # the reference upcasts bf16/fp16 x itself and returns y in x's dtype
+        f["W_delta"], f["W_B"], f["W_C"] = inp["W_delta"], inp["W_B"], inp["W_C"]
+    return selective_scan_ref(f["x"], f["A_log"], f["W_delta"], f["b_delta"], f["W_B"], f["W_C"], f["D"], f["h0"],
+                              compute_dtype=dtype)
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    fin = torch.isfinite(ref)
+    d = (out[fin] - ref[fin]).norm()
+    n = ref[fin].norm()
+    return (d / n).item() if n > 0 else d.item()
+
+
+def _finite_mask_error(name, out, ref):
+    """Non-finite elements of out exactly where the float64 value, rounded to out's dtype, is not finite
+    (a float16 y past 65504 is inf in any float16 answer)."""
+    bad = torch.isfinite(out) != torch.isfinite(ref.to(out.dtype))
+    if out.dtype in (torch.float16, torch.bfloat16):
+        # Within a few ulps of the largest finite value, either side of the overflow is a right answer
+        # (float64 -65521.9 rounds to -inf in float16; a path off by 1e-4 relative gives -65504).
+        fi = torch.finfo(out.dtype)
+        r = ref.double().abs()
+        bad &= ~((r > fi.max * (1 - 4 * fi.eps)) & (r < fi.max * (1 + 4 * fi.eps)))
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        return (f"{name}: {int(bad.sum())} elements finite in one and not the other (first at {i}: "
+                f"path {out[tuple(i)].item()}, float64 {ref[tuple(i)].item()})")
+    return None
+
+
+def _judge(out, r32, r64, bound):
+    """(error, tolerance, explanation): the error of out against float64, and the largest of the mode's
+    bound, 4x the float32 evaluation's error and 3x the error of float64 rounded to out's dtype (a
+    float16 gradient in the subnormal range cannot be nearer than its rounding)."""
+    e, e32, er = _rel(out, r64), _rel(r32, r64), _rel(r64.to(out.dtype), r64)
+    tol = max(bound, 4 * e32, 3 * er)
+    return e, tol, f"bound {bound:g}; float32 evaluation {e32:.3g}; float64 rounded to {out.dtype} {er:.3g}"
+
+
+def run_case(c: Case, device="cuda", path=None) -> list[str]:
+    """The failures of one case (empty when it passes). path: what is judged, called as
+    selscan_fused.selective_scan is (default: selective_scan with impl=c.impl); tests of this harness
+    pass a deliberately wrong one."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(_precision(c.mode))
+    try:
+        return _run_case(c, device, path or selscan_fused.selective_scan)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _run_case(c: Case, device, path) -> list[str]:
+    inp = case_inputs(c, device)
+    fails = []
+    leaves = {k: v for k, v in inp.items() if v is not None}
+    need_grad = c.backward
+    copies = {}
+    for which in ("path", "f32", "f64"):  # the float64 evaluation's leaves are float64: exact gradients
+        copies[which] = {k: ((v.detach().double() if which == "f64" else v.detach().clone()).requires_grad_(need_grad)
+                             if v is not None else None) for k, v in inp.items()}
+    a = copies["path"]
+    y, h = path(a["x"], a["A_log"], a["W_delta"], a["b_delta"], a["W_B"], a["W_C"], a["D"], h0=a["h0"],
+                return_final_state=True, impl=c.impl)
+    y32, h32 = _ref(copies["f32"], torch.float32)
+    y64, h64 = _ref(copies["f64"], torch.float64)
+    bound = TOLERANCE[c.mode]
+    for name, out, r32, r64 in (("y", y, y32, y64), ("final state", h, h32, h64)):
+        m = _finite_mask_error(name, out, r64)
+        if m:
+            fails.append(m)
+            continue
+        e, tol, why = _judge(out, r32, r64, bound)
+        if not e <= tol:
+            fails.append(f"{name}: rel L2 error {e:.3g} > {tol:.3g} ({why})")
+    if need_grad and not fails:
+        g = torch.Generator(device="cpu").manual_seed(c.seed * 7 + c.index)
+        # float16: upstream gradients scaled down, as a float16 user's loss scale would, so that the
+        # float16 gradients of the weights (sums over every token) stay inside float16's range.
+        s = 2.0 ** -6 if c.mode == "float16" else 1.0
+        dy = torch.randn(c.batch, c.L, c.Dm, generator=g).to(device) * s
+        dh = torch.randn(c.batch, c.Dm, c.N, generator=g).to(device) * s
+        grads = {}
+        for which, (yy, hh) in (("path", (y, h)), ("f32", (y32, h32)), ("f64", (y64, h64))):
+            loss = (yy.double() * dy.double()).sum() + (hh.double() * dh.double()).sum()
+            ts = [copies[which][k] for k in leaves]
+            grads[which] = dict(zip(leaves, torch.autograd.grad(loss, ts)))
+        for k in leaves:
+            gp, g32, g64 = grads["path"][k], grads["f32"][k], grads["f64"][k]
+            m = _finite_mask_error(f"d{k}", gp, g64)
+            if m:
+                fails.append(m)
+                continue
+            e, tol, why = _judge(gp, g32, g64, bound)
+            if not e <= tol:
+                fails.append(f"d{k}: rel L2 error {e:.3g} > {tol:.3g} ({why})")
+    return fails
+
+
+def supported_impls():
+    impls = []
+    if selscan_fused.extension_available():
+        impls.append("unfused")
+    if (selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)):
+        impls.append("fused")
+    return tuple(impls)

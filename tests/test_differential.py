@@ -1,0 +1,65 @@
+"""Randomized differential testing (tests/differential.py): 30 cases from a fresh seed in every GPU run
+(scripts/differential.py runs 500 and more), and checks that the harness itself catches a wrong answer."""
+import os
+
+import pytest
+import torch
+
+import selscan_fused
+from conftest import requires_cuda, requires_extension
+from differential import make_case, run_case, supported_impls
+
+SEED = int(os.environ.get("SELSCAN_DIFF_SEED", int.from_bytes(os.urandom(3), "little")))
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("index", range(30))
+def test_random_case(index):
+    c = make_case(SEED, index, supported_impls())
+    fails = run_case(c)
+    assert not fails, (f"reproduce: python scripts/differential.py --seed {SEED} --only {index}   # {c.line()}\n"
+                       + "\n".join(fails))
+
+
+def _small_reference_cases(n):
+    out, i = [], 0
+    while len(out) < n:
+        c = make_case(11, i, impls=("reference",))
+        i += 1
+        if c.batch * c.L * c.Dm <= 60_000 and c.L <= 300:
+            out.append(c)
+    return out
+
+
+def test_the_reference_passes_its_own_judge():
+    for c in _small_reference_cases(6):
+        assert run_case(c, device="cpu") == [], c.line()
+
+
+@pytest.mark.parametrize("wrong", ["scaled", "nan_in_one_sequence", "final_state", "gradient"])
+def test_the_judge_catches_wrong_answers(wrong):
+    def path(*a, **k):
+        y, h = selscan_fused.selective_scan(*a, **k)
+        if wrong == "scaled":
+            return y * 1.02, h
+        if wrong == "nan_in_one_sequence":
+            y = y.clone()
+            y[0, -1, 0] = float("nan")
+            return y, h
+        if wrong == "final_state":
+            return y, h + 1e-2 * h.abs().max()
+        return _ScaleGrad.apply(y), h  # right values, gradients 2x too large
+
+    c = next(c for c in _small_reference_cases(20) if c.backward or wrong != "gradient")
+    assert run_case(c, device="cpu", path=path) != []
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
