@@ -506,7 +506,7 @@ void run_products(int sms, int tokens, unsigned short* y, float* out, long long*
 // than the one-warp layout; this measures the layout's best case, beside S1's products at the pace
 // 2x the unfused path would ask (products_role 11) or at full rate (12), or alone (0). Its loop is
 // 10.5 instructions per exponential (SASS); measured: 6.67 alone, 3.53 beside the paced products
-// (docs/perf-notes.md, session 16).
+// (docs/perf-notes.md, "The scan's products on the tensor cores", 2026-12-01).
 constexpr int kG2 = 16;
 // One level of the 16-lane reduce-scatter: reduce_scatter8's level as a template (a loop over the
 // levels is not unrolled at 16 tokens and puts v in local memory). reduce_scatter8 keeps its loop:
