@@ -134,6 +134,9 @@ setup(
     packages=find_packages(include=["selscan_fused", "selscan_fused.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
+    # The benchmarks' progress bars and plots (benchmarks/paper_figure.py, plot_results.py); the op never
+    # needs them.
+    extras_require={"bench": ["matplotlib", "tqdm"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

@@ -1,0 +1,52 @@
+"""The benchmark scripts' logic, on the CPU (their timings are measured on the GPU, never in tests):
+the paper figure's PyTorch-scan baseline computes the layer, its sweep resumes from its CSV, and the
+plot is drawn from that CSV."""
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import float64_eval, make_inputs, rel_l2
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import paper_figure  # noqa: E402
+
+
+@pytest.mark.parametrize("L", [1, 7, 300])
+def test_pytorch_scan_baseline_computes_the_layer(L):
+    """The standard-scan baseline must be the same function (a straw man would flatter the kernels)."""
+    torch.manual_seed(L)
+    inp = make_inputs(2, L, 32, 8)
+    y = paper_figure._pytorch_scan(inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"],
+                                   inp["D"])
+    y64, _ = float64_eval(inp)
+    assert rel_l2(y, y64) < 1e-5
+
+
+def test_paper_figure_sweep_writes_and_resumes(tmp_path, capsys):
+    out = tmp_path / "fig.csv"
+    argv = ["--device", "cpu", "--min-L", "64", "--max-L", "128", "--D", "32", "--reps", "1", "--csv", str(out),
+            "--paths", "attention,pytorch-scan,fft-conv,fused"]
+    paper_figure.main(argv)
+    rows = paper_figure.read_rows(str(out))
+    assert len(rows) == 4 * 2 * 2  # paths x modes x lengths
+    by = {(r["path"], r["mode"], r["L"]): r for r in rows}
+    assert by[("fused", "fwd", "64")]["status"] == "unavailable: needs CUDA"
+    for p in ("attention", "pytorch-scan", "fft-conv"):
+        for m in ("fwd", "fwd+bwd"):
+            assert by[(p, m, "128")]["status"].startswith("ok") and float(by[(p, m, "128")]["gpu_ms"]) > 0
+    mtime = out.stat().st_mtime_ns
+    paper_figure.main(argv)  # everything is there: nothing re-measured, nothing rewritten
+    assert out.stat().st_mtime_ns == mtime and len(paper_figure.read_rows(str(out))) == 16
+    assert "The paper's claims" in capsys.readouterr().out
+
+
+def test_plot_from_the_csv(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install .[bench])")
+    import plot_results
+    out = tmp_path / "fig.csv"
+    paper_figure.main(["--device", "cpu", "--min-L", "64", "--max-L", "128", "--D", "32", "--reps", "1",
+                       "--csv", str(out), "--paths", "fft-conv", "--modes", "fwd"])
+    png = plot_results.plot_figure(str(out), str(tmp_path / "fig.png"))
+    assert os.path.getsize(png) > 10_000
