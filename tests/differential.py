@@ -162,6 +162,15 @@ def _judge(out, r32, r64, bound):
     return e, tol, f"bound {bound:g}; float32 evaluation {e32:.3g}; float64 rounded to {out.dtype} {er:.3g}"
 
 
+def _check(name, out, r32, r64, bound) -> list[str]:
+    """[] when out passes the judge against the float64 value r64 (r32: the float32 evaluation's)."""
+    m = _finite_mask_error(name, out, r64)
+    if m:
+        return [m]
+    e, tol, why = _judge(out, r32, r64, bound)
+    return [] if e <= tol else [f"{name}: rel L2 error {e:.3g} > {tol:.3g} ({why})"]
+
+
 def run_case(c: Case, device="cuda", path=None) -> list[str]:
     """The failures of one case (empty when it passes). path: what is judged, called as
     selscan_fused.selective_scan is (default: selective_scan with impl=c.impl); tests of this harness
@@ -190,13 +199,7 @@ def _run_case(c: Case, device, path) -> list[str]:
     y64, h64 = _ref(copies["f64"], torch.float64)
     bound = TOLERANCE[c.mode]
     for name, out, r32, r64 in (("y", y, y32, y64), ("final state", h, h32, h64)):
-        m = _finite_mask_error(name, out, r64)
-        if m:
-            fails.append(m)
-            continue
-        e, tol, why = _judge(out, r32, r64, bound)
-        if not e <= tol:
-            fails.append(f"{name}: rel L2 error {e:.3g} > {tol:.3g} ({why})")
+        fails += _check(name, out, r32, r64, bound)
     if need_grad and not fails:
         g = torch.Generator(device="cpu").manual_seed(c.seed * 7 + c.index)
         # float16: upstream gradients scaled down, as a float16 user's loss scale would, so that the
@@ -210,14 +213,7 @@ def _run_case(c: Case, device, path) -> list[str]:
             ts = [copies[which][k] for k in leaves]
             grads[which] = dict(zip(leaves, torch.autograd.grad(loss, ts)))
         for k in leaves:
-            gp, g32, g64 = grads["path"][k], grads["f32"][k], grads["f64"][k]
-            m = _finite_mask_error(f"d{k}", gp, g64)
-            if m:
-                fails.append(m)
-                continue
-            e, tol, why = _judge(gp, g32, g64, bound)
-            if not e <= tol:
-                fails.append(f"d{k}: rel L2 error {e:.3g} > {tol:.3g} ({why})")
+            fails += _check(f"d{k}", grads["path"][k], grads["f32"][k], grads["f64"][k], bound)
     return fails
 
 
