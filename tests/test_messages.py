@@ -171,3 +171,14 @@ def test_fused_limits_name_the_limit_and_the_path_instead():
     with pytest.raises(ValueError, match=r"d_model D = 8256 is not supported by impl='fused' \(a multiple of 64 "
                                          r"from 64 to 8192\); use impl='unfused'"):
         call(wide, "fused")
+
+
+@requires_extension
+def test_plan_ops_need_a_cuda_x():
+    """The planning ops (benchmarks and tests ask them for the L split and the channel tile)."""
+    x = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match=r"scan_plan needs a CUDA x of shape \(batch, L, D\)"):
+        torch.ops.selscan_fused.scan_plan(x, 16, 0)
+    if selscan_fused._extension.fused_extension_available():
+        with pytest.raises(RuntimeError, match=r"fused_plan needs a CUDA x of shape \(batch, L, D\)"):
+            torch.ops.selscan_fused.fused_plan(x, 16, 0, 0)
