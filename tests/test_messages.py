@@ -182,3 +182,16 @@ def test_plan_ops_need_a_cuda_x():
     if selscan_fused._extension.fused_extension_available():
         with pytest.raises(RuntimeError, match=r"fused_plan needs a CUDA x of shape \(batch, L, D\)"):
             torch.ops.selscan_fused.fused_plan(x, 16, 0, 0)
+
+
+@requires_cuda
+@requires_extension
+def test_fused_on_another_gpu_names_the_path_instead(monkeypatch):
+    """On a GPU that is not sm_90 (simulated: the capability cache says so), impl='fused' says what it
+    needs and what to use instead, and impl='auto' takes the unfused path."""
+    inp = make_inputs(1, 5, 64, 16, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setitem(selscan_fused.api._is_sm90, torch.cuda.current_device(), False)
+    with pytest.raises(ValueError, match=r"impl='fused' needs an sm_90 GPU \(H100/H200\), cuda:0 is not one; "
+                                         r"use impl='unfused'"):
+        call(inp, "fused")
+    assert selscan_fused.resolve_impl("auto", inp["x"], 16) == "unfused"
