@@ -188,28 +188,21 @@ def measure(fn, device, reps, train):
             fn()
             ms = _median_cpu_ms(fn, reps)
         return ms, ms, "ok (cpu: wall time)"
-    from bench import median_ms  # noqa: E402  (CUDA only: events, L2 flush)
-    ctx = torch.enable_grad if train else torch.no_grad
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with ctx(), torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    with ctx():
-        eager = median_ms(fn, reps)
-    status = "ok"
+    from bench import median_ms, time_ms, time_train  # noqa: E402  (CUDA only: events, L2 flush)
     try:
-        g = torch.cuda.CUDAGraph()
-        with ctx(), torch.cuda.graph(g):
-            fn()
-        gpu = median_ms(g.replay, reps)
-        del g
+        if train:
+            gpu, eager, _ = time_train(fn, reps)
+        else:
+            eager = time_ms(fn, reps)
+            gpu = time_ms(fn, reps, graph=True)
+        return gpu, eager, "ok"
+    except torch.cuda.OutOfMemoryError:  # a RuntimeError too: the sweep marks the length
+        raise
     except RuntimeError as e:  # not capturable: the plain call's time, marked
         torch.cuda.synchronize()
-        gpu, status = eager, f"ok (no graph: {str(e).splitlines()[0][:80]})"
-    return gpu, eager, status
+        with torch.set_grad_enabled(train):
+            eager = median_ms(fn, reps)
+        return eager, eager, f"ok (no graph: {str(e).splitlines()[0][:80]})"
 
 
 def read_rows(path):
