@@ -292,20 +292,10 @@ def selective_scan(
     # Converted only where they differ (a .to() that changes nothing still costs a dispatch).
     xdt = x.dtype
     pdt = torch.float64 if (chosen == "reference" and xdt == torch.float64) else torch.float32
-    if W_delta.dtype != xdt:
-        W_delta = W_delta.to(xdt)
-    if W_B.dtype != xdt:
-        W_B = W_B.to(xdt)
-    if W_C.dtype != xdt:
-        W_C = W_C.to(xdt)
-    if A_log.dtype != pdt:
-        A_log = A_log.to(pdt)
-    if b_delta.dtype != pdt:
-        b_delta = b_delta.to(pdt)
-    if D.dtype != pdt:
-        D = D.to(pdt)
-    if h0 is not None and h0.dtype != pdt:
-        h0 = h0.to(pdt)
+    W_delta, W_B, W_C = _as(W_delta, xdt), _as(W_B, xdt), _as(W_C, xdt)
+    A_log, b_delta, D = _as(A_log, pdt), _as(b_delta, pdt), _as(D, pdt)
+    if h0 is not None:
+        h0 = _as(h0, pdt)
 
     if chosen == "reference":
         with torch.autocast(x.device.type, enabled=False):
@@ -345,6 +335,10 @@ def selective_scan(
         with torch._C._AutoDispatchBelowAutograd():
             y, h = _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, cfg)
     return (y, h) if return_final_state else y
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, cfg):
