@@ -24,28 +24,35 @@ __device__ __forceinline__ float lg2_approx(float x) {
   return y;
 }
 
-// softplus as torch.nn.functional.softplus (beta 1, threshold 20): v for v > 20, else log(1 + e^v).
-// Two MUFU operations; below v = -15 log1p(e) = e to within e^2/2 < 1e-13, which avoids 1 + e rounding.
-// NaN propagates (every comparison with NaN is false and the last branch computes with it). The unfused
-// scan uses this form (its timings were measured with it).
+// log(1 + e) for 0 <= e <= e^-4 (about 0.0183) by log1p's series to the e^4 term: relative error below
+// e^4 / 5 < 2.3e-8 there, from four FMA-pipe instructions. Forming 1 + e in float32 instead keeps only
+// e's bits above 2^-24: delta's relative error would be 5.5e-5 at a softplus argument of -7 and 2e-3
+// at -13 (docs/reliability.md, "Found, and fixed").
+__device__ __forceinline__ float log1p_small(float e) {
+  return e * fmaf(e, fmaf(e, fmaf(e, -0.25f, 0.33333334f), -0.5f), 1.f);
+}
+
+// softplus as torch.nn.functional.softplus (beta 1, threshold 20): v for v > 20, log1p's series of e^v
+// below -4, else ln 2 * lg2(1 + e^v). Two MUFU operations. Relative error against float64 below 1e-6
+// for v < -4 (ex2.approx's 2 ulp), below 3.3e-6 on [-4, 0] (the rounding of 1 + e^v and lg2.approx's
+// absolute error against a value of at least 0.018). ex2.approx flushes e^v to 0 below v = -87.3,
+// where float64's softplus is itself below float32's normal range. NaN propagates (every comparison
+// with NaN is false and the last branch computes with it). The unfused scan and the backward use it.
 __device__ __forceinline__ float softplus(float v) {
   const float e = ex2_approx(v * kLog2e);
   const float l = lg2_approx(1.f + e) * kLn2;
-  return v > 20.f ? v : (v < -15.f ? e : l);
+  return v > 20.f ? v : (v < -4.f ? log1p_small(e) : l);
 }
 
-// The same function as max(v, 0) + log(1 + e^-|v|), without selects: 6 instructions instead of 9, the
-// same two MUFU operations; measured 0.5-1.5% faster in the fused kernel's epilogue, which uses it
-// (docs/perf-notes.md, v3.5). Beyond float32 rounding it differs from softplus() only for v < -15,
-// where the rounding of 1 + e^v costs at most ~6e-8 absolute (below v = -16.6 it returns 0 where
-// softplus() returns e^v < 6e-8): negligible in delta * x * B and in exp(delta * A). Above v = 20 the
-// log term is below half an ulp of v.
-// e^-|v| <= 1 cannot overflow; NaN propagates through the log term (fmaxf drops it, the FFMA adds it
-// back); +Inf gives Inf, -Inf gives 0.
+// The same function as max(v, 0) + log(1 + e^-|v|), with fewer selects (docs/perf-notes.md, v3.5: the
+// select-free form was 0.5-1.5% faster in the fused kernel's epilogue, which uses this one): log1p's
+// series for |v| > 4, where 1 + e^-|v| would round away e^-|v|'s low bits. Above v = 20 the log term is
+// below half an ulp of v. e^-|v| <= 1 cannot overflow; NaN propagates (fabsf(NaN) > 4 is false, the
+// lg2 term is NaN and is added to fmaxf's 0); +Inf gives Inf, -Inf gives 0.
 __device__ __forceinline__ float softplus_noselect(float v) {
   const float e = ex2_approx(-fabsf(v) * kLog2e);
-  const float l = lg2_approx(1.f + e);
-  return fmaf(l, kLn2, fmaxf(v, 0.f));
+  const float l = fabsf(v) > 4.f ? log1p_small(e) : lg2_approx(1.f + e) * kLn2;
+  return l + fmaxf(v, 0.f);
 }
 
 // scale * A with A = -exp(A_log) (scale 1, or log2(e) for ex2_approx), clamped to -FLT_MAX where it
