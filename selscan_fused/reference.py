@@ -39,19 +39,28 @@ def selective_scan_ref(
     h0: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype | None = None,
+    projection_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, final_state): y (batch, L, D) in x.dtype, final_state (batch, D, N) in compute_dtype.
 
     compute_dtype defaults to float64 for float64 x and float32 otherwise. float32 products follow
-    torch.get_float32_matmul_precision(), as any torch matmul does.
+    torch.get_float32_matmul_precision(), as any torch matmul does. projection_dtype, when given: the
+    three projections are F.linear of x and the weights in that dtype (rounded to it, as the unfused
+    path's cuBLAS products are), and under autograd their gradients are rounded to it too and the
+    products of the backward run in it (the unfused path's design; tests/differential.py judges by it).
     """
     cd = compute_dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
     batch, L, Dm = x.shape
     N = A_log.shape[1]
     xf = x.to(cd)
-    delta = F.softplus(xf @ W_delta.to(cd).T + b_delta.to(cd))  # (batch, L, D)
-    Bt = xf @ W_B.to(cd).T  # (batch, L, N)
-    Ct = xf @ W_C.to(cd).T  # (batch, L, N)
+    if projection_dtype is None:
+        zt = xf @ W_delta.to(cd).T
+        Bt = xf @ W_B.to(cd).T  # (batch, L, N)
+        Ct = xf @ W_C.to(cd).T  # (batch, L, N)
+    else:
+        xp = x.to(projection_dtype)
+        zt, Bt, Ct = (F.linear(xp, W.to(projection_dtype)).to(cd) for W in (W_delta, W_B, W_C))
+    delta = F.softplus(zt + b_delta.to(cd))  # (batch, L, D)
     A = -torch.exp(A_log.to(cd))  # (D, N)
     h = torch.zeros(batch, Dm, N, dtype=cd, device=x.device) if h0 is None else h0.to(cd).clone()
     y = torch.empty(batch, L, Dm, dtype=cd, device=x.device)
