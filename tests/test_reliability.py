@@ -52,6 +52,17 @@ def _rel_where_finite(a, b):
     return rel_l2(a[fin], b[fin])
 
 
+def _at_the_overflow_edge(ref, dtype):
+    """Where float64's value is within 2% of dtype's largest finite value, either side of the overflow
+    is a right answer. The unfused path rounds B and C to float16 (2^-11 each), and y = delta x sum_n
+    B_n C_n: an element's own error is 2^-10 times sum |B_n C_n| / |sum B_n C_n|, several times 1e-3
+    for 16 terms (a float64 y of 65300 is finite; the path's 65530 rounds to inf)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return torch.zeros_like(ref, dtype=torch.bool)
+    r = ref.double().abs()
+    return (r > torch.finfo(dtype).max * 0.98) & (r < torch.finfo(dtype).max * 1.02)
+
+
 def _same_nonfinite(a, b, name):
     fa, fb = torch.isfinite(a), torch.isfinite(b.to(a.dtype))
     assert torch.equal(fa, fb), (f"{name}: non-finite elements differ from the float64 evaluation's "
@@ -131,7 +142,7 @@ def test_extreme_values_stay_finite(impl, mode, kind):
     for k in r:
         if r[k] is None:
             continue
-        ref_finite = torch.isfinite(r[k].to(p[k].dtype))
+        ref_finite = torch.isfinite(r[k].to(p[k].dtype)) & ~_at_the_overflow_edge(r[k], p[k].dtype)
         assert torch.isfinite(p[k])[ref_finite].all(), f"{k}: non-finite where the float64 evaluation is finite"
     if kind != "denormal_x":  # subnormal x: only finiteness (the GPU may flush subnormals to zero)
         assert _rel_where_finite(p["y"], r["y"]) < TOLERANCE[mode]
@@ -313,3 +324,22 @@ def test_a_log_past_float32_exp_range(impl, mode):
         assert torch.isfinite(r[k]).all() and torch.isfinite(p[k]).all(), k
     assert rel_l2(p["y"], r["y"]) < TOLERANCE[mode] and rel_l2(p["h"], r["h"]) < TOLERANCE[mode]
     assert rel_l2(p["dA_log"], r["dA_log"]) < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_small_delta_is_accurate(impl):
+    """Softplus arguments from -17 to -4 (delta from 4e-8 to 0.018), no h0: the final state is made only
+    of such tokens, so delta's relative error shows in it directly. Forming 1 + e^v in float32 cost
+    5.5e-5 at -7 and 2e-3 at -13, and the fused kernel's form returned 0 below -16.6; log1p's series
+    below -4 (csrc/common/device_math.cuh) keeps delta within float32 rounding."""
+    fresh_seed()
+    with matmul_precision("float32-highest"):
+        inp = make_inputs(2, 1000, 128, 16, device="cuda")
+        inp["W_delta"].mul_(0.1)  # arguments spread by about +-0.3 around each channel's bias
+        inp["b_delta"] = torch.linspace(-17.0, -4.0, 128, device="cuda")
+        p, r = _run(inp, impl, backward=True, seed=3)
+    for k in ("h", "y", "db_delta", "dW_delta", "dx"):
+        assert rel_l2(p[k], r[k]) < TOLERANCE["float32-highest"], (k, rel_l2(p[k], r[k]))
+    # channel by channel too: the smallest deltas (the first channels) must not vanish into the others
+    per_channel = (p["h"] - r["h"]).norm(dim=(0, 2)) / r["h"].norm(dim=(0, 2))
+    assert per_channel.max() < 1e-4, per_channel.max()
