@@ -6,6 +6,8 @@ tools slow every launch down by orders of magnitude. Checks each result against 
 too (a tool can change timing, never results).
 
     python scripts/sanitize_cases.py [--quick]      # --quick: a third of the grid (racecheck)
+    python scripts/sanitize_cases.py --quick --shard 2/6   # the third of the six parts of that (a slow tool
+                                                           # run in parts: K/M runs the runs with index % M == K)
 """
 import argparse
 import sys
@@ -36,7 +38,10 @@ GRID = [
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
     args = ap.parse_args()
+    k, m = (int(v) for v in args.shard.split("/"))
+    index = -1
     hopper = selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)
     impls = ["unfused"] + (["fused"] if hopper else [])
     runs, worst = 0, 0.0
@@ -48,6 +53,9 @@ def main():
                 if impl == "unfused" and "channel_tile" in cfg:
                     continue
                 if cfg.get("channel_tile") == 16 and dt == torch.float32:
+                    continue
+                index += 1
+                if index % m != k:
                     continue
                 torch.manual_seed(1000 * gi + 10 * mi)
                 torch.set_float32_matmul_precision(prec)
