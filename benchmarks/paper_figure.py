@@ -320,7 +320,7 @@ def _ms(rows, path, mode, L):
 
 def claims(rows, mode="fwd"):
     """The paper's three efficiency claims, each against this project's paths as measured."""
-    out = ["\nThe paper's claims (forward, gpu ms):"]
+    out = [f"\nThe paper's claims ({'forward' if mode == 'fwd' else 'forward + backward'}, gpu ms):"]
     Ls = sorted({int(r["L"]) for r in rows})
     for ours in ("scan", "fused", "unfused"):
         faster = [L for L in Ls if (_ms(rows, ours, mode, L) or math.inf) < (_ms(rows, "attention", mode, L) or 0)]

@@ -50,3 +50,25 @@ def test_plot_from_the_csv(tmp_path):
                        "--csv", str(out), "--paths", "fft-conv", "--modes", "fwd"])
     png = plot_results.plot_figure(str(out), str(tmp_path / "fig.png"))
     assert os.path.getsize(png) > 10_000
+
+
+def test_plot_of_the_ablation_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install .[bench])")
+    import csv
+
+    import ablation_table
+    import plot_results
+    out = tmp_path / "table.csv"
+    with open(out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=ablation_table.FIELDS)
+        w.writeheader()
+        for shape, dtype, path, x in [("S1", "bf16", "fused", 2.3), ("S1", "bf16", "unfused", 1.8),
+                                      ("S2", "bf16", "fused", 3.1), ("S1", "fp32", "scan", 4.0)]:
+            w.writerow({**{k: "" for k in ablation_table.FIELDS}, "shape": shape, "dtype": dtype, "path": path,
+                        "x_mamba_user": x, "status": "ok"})
+    png = plot_results.plot_table(str(out), str(tmp_path / "table.png"))
+    assert os.path.getsize(png) > 10_000
+    with open(out, "w", newline="") as fh:  # no row with mamba-ssm beside it: says so
+        csv.DictWriter(fh, fieldnames=ablation_table.FIELDS).writeheader()
+    with pytest.raises(SystemExit, match="no rows"):
+        plot_results.plot_table(str(out), str(tmp_path / "t2.png"))
