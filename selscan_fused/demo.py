@@ -1,8 +1,9 @@
 """The main job: `python -m selscan_fused.demo`.
 
 With a CUDA GPU: runs every available path on shape S1 (8 x 2048 x 256, N = 16) in bfloat16 and float32,
-checks each against the float64 evaluation and prints a table of times and relative errors. Without
-one: says so and checks the reference on a small case.
+checks each against the float64 evaluation and prints a table of times and relative errors (a short
+version of benchmarks/ablation_table.py). Without one: says so and checks the reference on a small case.
+Either way it ends by naming the full commands and docs/results.md, where their results are.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _time_ms(fn, reps=20):
     return sorted(times)[len(times) // 2]
 
 
+FULL = ("The full commands: python benchmarks/ablation_table.py (every path, S1-S5 and R, every dtype), "
+        "python benchmarks/paper_figure.py (the Mamba paper's efficiency figure), python benchmarks/bench.py "
+        "--train (the training step); their results on an H200 and what they mean: docs/results.md.")
+
+
 def main() -> None:
     print(f"selscan_fused {selscan_fused.__version__}, torch {torch.__version__}")
     if not torch.cuda.is_available():
@@ -52,6 +58,7 @@ def main() -> None:
         y = selscan_fused.selective_scan(**{k: v for k, v in inp.items()}, impl="reference")
         print(f"reference float32 vs float64 evaluation, (2, 64, 32, N=8): rel L2 error {_rel(y, _f64(inp)):.2e}")
         print(f"CUDA extension built: {selscan_fused.extension_available()}")
+        print(FULL)
         return
     if not selscan_fused.extension_available():
         from selscan_fused._extension import extension_error_message
@@ -77,6 +84,7 @@ def main() -> None:
             print(f"{name:22} {impl:10} {ms:9.3f} {err:11.2e} {bound:7.0e}{'' if err < bound else '  FAIL'}")
     torch.set_float32_matmul_precision("highest")
     print("all paths within the bounds of docs/math.md" if ok else "SOME PATHS EXCEED THE BOUNDS OF docs/math.md")
+    print(FULL)
     if not ok:
         raise SystemExit(1)
 
