@@ -8,7 +8,8 @@
 #
 # SELSCAN_SANITIZE_FULL=1 runs the whole grid under every tool; by default each tool runs a third of it
 # (every shape, every N and dtype, both layouts and the L split still appear: sanitize_cases.py --quick),
-# which takes minutes rather than tens of minutes.
+# which takes minutes rather than tens of minutes. SELSCAN_SANITIZE_SHARD=K/M runs the K-th of M parts of
+# that (racecheck's third of the grid takes longer than one 10-minute slot: run it as parts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/selscan-sanitize}
@@ -27,10 +28,11 @@ for tool in $TOOLS; do
   args=()
   quick=(--quick)
   [ "${SELSCAN_SANITIZE_FULL:-0}" = 1 ] && quick=()
+  [ -n "${SELSCAN_SANITIZE_SHARD:-}" ] && quick+=(--shard "$SELSCAN_SANITIZE_SHARD")
   case $tool in
     memcheck) args=(--leak-check no) ;;
     racecheck) args=(--racecheck-report hazard) ;;
-    initcheck) args=(--track-unused-memory no) ;;
+    initcheck) args=() ;;  # (--track-unused-memory is a switch in compute-sanitizer 2025+: off unless given)
   esac
   t0=$(date +%s)
   "$CS" --tool "$tool" "${args[@]}" --error-exitcode 99 --print-limit 50 --target-processes all \
