@@ -50,6 +50,9 @@ def _missing(needs: set):
             msg = selscan_fused._extension.extension_error_message("fused").split(". Rebuild")[0]
             return "fused_extension", f"no impl='fused' tests: {msg.removeprefix('selscan_fused: ')}"
     for n in needs:
+        if n.startswith("gpus:") and torch.cuda.device_count() < int(n.split(":")[1]):
+            return "gpus", (f"no multi-GPU tests: they need {n.split(':')[1]} CUDA GPUs, "
+                            f"{torch.cuda.device_count()} visible (scripts/two_gpus.py)")
         if n.startswith("gpu_memory:"):
             gib = int(n.split(":")[1])
             have = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -78,6 +81,8 @@ def pytest_runtest_setup(item):
     elif cause == "sm90":
         pytest.skip(reason)
     elif cause == "fused_extension":
+        pytest.skip(reason)
+    elif cause == "gpus":
         pytest.skip(reason)
     else:
         pytest.skip(reason)
