@@ -29,9 +29,15 @@ for tool in $TOOLS; do
   quick=(--quick)
   [ "${SELSCAN_SANITIZE_FULL:-0}" = 1 ] && quick=()
   [ -n "${SELSCAN_SANITIZE_SHARD:-}" ] && quick+=(--shard "$SELSCAN_SANITIZE_SHARD")
+  # racecheck and synccheck instrument only this project's kernels (their names hold "selscan"): the
+  # hazards of torch's and cuBLAS's kernels are not ours, and instrumenting them all is what made
+  # racecheck too slow for one slot. SELSCAN_SANITIZE_ALL_KERNELS=1 checks every kernel.
+  ours=(--kernel-name kns=selscan)
+  [ "${SELSCAN_SANITIZE_ALL_KERNELS:-0}" = 1 ] && ours=()
   case $tool in
     memcheck) args=(--leak-check no) ;;
-    racecheck) args=(--racecheck-report hazard) ;;
+    racecheck) args=(--racecheck-report hazard "${ours[@]}") ;;
+    synccheck) args=("${ours[@]}") ;;
     initcheck) args=() ;;  # (--track-unused-memory is a switch in compute-sanitizer 2025+: off unless given)
   esac
   t0=$(date +%s)
