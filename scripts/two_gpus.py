@@ -11,7 +11,8 @@ way round) must give bitwise the results of the same call made with the tensors'
 (both paths are deterministic), leave the current device as it was, and allocate nothing on the
 device that is not the tensors'.
 
-ddp: a small model of SelectiveScan layers (embedding, layers with a residual and a norm, head) is
+ddp: a small model of SelectiveScan layers (benchmarks/selective_copying.py's: embedding, blocks of
+RMSNorm -> SelectiveScan and RMSNorm -> MLP with residuals, head) is
 trained for --steps SGD steps with DistributedDataParallel, one process per GPU (NCCL), each on its
 half of every batch; rank 0 trains the same model from the same seed on the whole batch on its own
 GPU, and the parameters must agree within float32 tolerance. --fsdp does the same with FSDP2
@@ -32,8 +33,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import selscan_fused  # noqa: E402
-from selscan_fused import SelectiveScan  # noqa: E402
+from selective_copying import Model  # noqa: E402  (the training run's model: embedding, blocks, head)
 
 
 # --- devices -------------------------------------------------------------------------------------------
@@ -95,31 +97,6 @@ def check_devices() -> bool:
 
 
 # --- ddp / fsdp -----------------------------------------------------------------------------------------
-
-class Block(nn.Module):
-    def __init__(self, d, n, impl):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.scan = SelectiveScan(d, n, impl=impl)
-
-    def forward(self, x):
-        return x + self.scan(self.norm(x))
-
-
-class Model(nn.Module):
-    def __init__(self, vocab, d, n, layers, impl):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, n, impl) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
-
 
 def _batches(steps, batch, L, vocab):
     g = torch.Generator().manual_seed(1234)
