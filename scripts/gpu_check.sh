@@ -55,10 +55,31 @@ $PY benchmarks/bench.py --json "$LOG/bench.json" "$@" 2>&1 | tee "$LOG/bench.log
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 t3=$(date +%s)
 
+# Optional stages, each after the timings so that nothing else shares the GPU with them:
+#   SELSCAN_GPU_CHECK_RELIABILITY=1   scripts/differential.py (500 cases; SELSCAN_DIFF_SEED fixes the
+#                                     seed) and scripts/sanitize.sh (SELSCAN_SANITIZE_TOOLS, default
+#                                     "memcheck synccheck racecheck initcheck"), logs in LOGDIR
+#   SELSCAN_GPU_CHECK_MICRO=1         benchmarks/micro/bwd_layouts.cu, built and run
+extra=""
+if [ "${SELSCAN_GPU_CHECK_RELIABILITY:-0}" = 1 ]; then
+  $PY scripts/differential.py --cases 500 ${SELSCAN_DIFF_SEED:+--seed "$SELSCAN_DIFF_SEED"} > "$LOG/differential.log" 2>&1 || status=1
+  extra+="differential: $(tail -n 1 "$LOG/differential.log")"$'\n'
+  bash scripts/sanitize.sh "$LOG/sanitize" ${SELSCAN_SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck} > "$LOG/sanitize.log" 2>&1 || status=1
+  extra+="$(grep -E '^[a-z]+check: rc=' "$LOG/sanitize.log")"$'\n'
+fi
+if [ "${SELSCAN_GPU_CHECK_MICRO:-0}" = 1 ]; then
+  NVCC=${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}
+  if "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$LOG/bwd_layouts" benchmarks/micro/bwd_layouts.cu \
+       > "$LOG/micro.log" 2>&1 && "$LOG/bwd_layouts" >> "$LOG/micro.log" 2>&1; then :; else status=1; fi
+  extra+="$(cat "$LOG/micro.log")"$'\n'
+fi
+t4=$(date +%s)
+
 echo
 echo "=== summary ==="
 cat "$LOG/gpu.txt"
-echo "build: $((t1 - t0)) s   tests: $((t2 - t1)) s   benchmark: $((t3 - t2)) s"
+echo "build: $((t1 - t0)) s   tests: $((t2 - t1)) s   benchmark: $((t3 - t2)) s   optional stages: $((t4 - t3)) s"
 grep -E "^[0-9]+ (passed|failed)|passed|failed" "$LOG/tests.log" | tail -n 1
 cat "$LOG/bench.log" | tail -n 60
+[ -n "$extra" ] && printf '%s' "$extra"
 exit $status
