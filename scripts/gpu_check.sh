@@ -59,7 +59,7 @@ t3=$(date +%s)
 #   SELSCAN_GPU_CHECK_RELIABILITY=1   scripts/differential.py (500 cases; SELSCAN_DIFF_SEED fixes the
 #                                     seed) and scripts/sanitize.sh (SELSCAN_SANITIZE_TOOLS, default
 #                                     "memcheck synccheck racecheck initcheck"), logs in LOGDIR
-#   SELSCAN_GPU_CHECK_MICRO=1         benchmarks/micro/bwd_layouts.cu, built and run
+#   SELSCAN_GPU_CHECK_MICRO=1         benchmarks/micro/bwd_layouts.cu and chunk_scan.cu, built and run
 extra=""
 if [ "${SELSCAN_GPU_CHECK_RELIABILITY:-0}" = 1 ]; then
   $PY scripts/differential.py --cases 500 ${SELSCAN_DIFF_SEED:+--seed "$SELSCAN_DIFF_SEED"} > "$LOG/differential.log" 2>&1 || status=1
@@ -69,8 +69,11 @@ if [ "${SELSCAN_GPU_CHECK_RELIABILITY:-0}" = 1 ]; then
 fi
 if [ "${SELSCAN_GPU_CHECK_MICRO:-0}" = 1 ]; then
   NVCC=${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}
-  if "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$LOG/bwd_layouts" benchmarks/micro/bwd_layouts.cu \
-       > "$LOG/micro.log" 2>&1 && "$LOG/bwd_layouts" >> "$LOG/micro.log" 2>&1; then :; else status=1; fi
+  : > "$LOG/micro.log"
+  for m in bwd_layouts chunk_scan; do
+    if "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$LOG/$m" "benchmarks/micro/$m.cu" \
+         >> "$LOG/micro.log" 2>&1 && "$LOG/$m" >> "$LOG/micro.log" 2>&1; then :; else status=1; fi
+  done
   extra+="$(cat "$LOG/micro.log")"$'\n'
 fi
 t4=$(date +%s)

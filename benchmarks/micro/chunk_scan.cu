@@ -1,0 +1,222 @@
+// The batch-1 regime's scan on one SM (H100/H200): the recurrence of a chunk of tokens split across the
+// threads of a warp, instead of L split across CTAs. One decision: whether the in-CTA token-parallel
+// layout of docs/perf-notes.md, "Next: the batch-1 regime, modelled", reaches the rate it predicts.
+//
+// A warp owns one channel and its 16 states for the whole sequence; lane = (token part tp, state group
+// sg), sg fastest: KN states per lane, TP = 32 / (16 / KN) token parts, chunks of TP * K tokens (lane
+// tp takes tokens tp*K .. tp*K+K-1 of each chunk). Per chunk and lane:
+//   pass 1: its K tokens from zero, keeping the decays a = 2^(dt A2) in registers, and their product P;
+//   combine: an inclusive scan of (P, h) over the TP lanes of each state (Kogge-Stone by shuffles), the
+//            exclusive prefix by one more shuffle, and the carry of the previous chunk, which gives
+//            the lane's true start state;
+//   pass 2: its K tokens again from that start with the kept decays (no exponential), y = sum_n C h
+//           reduce-scattered over the 16 / KN lanes of the states, D x added, stored;
+//   the chunk's end state (the last token part's) is the next chunk's carry.
+// One exponential per element, as mamba-ssm's kernel (its threads split the tokens the same way); the
+// fused kernel's L split across CTAs pays two for every segment but the last.
+// Reported: elements (token x state) per SM clock (clock64 around the loop, the slowest CTA), one CTA of
+// W warps (W channels) per SM. Before the timing, two chunks' y and the final state are checked
+// against a float64 evaluation on the host (poisoned outputs, every element compared).
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o chunk_scan benchmarks/micro/chunk_scan.cu
+//   ./chunk_scan
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "micro_common.cuh"
+
+constexpr int kN = 16;
+constexpr int kRing = 256;  // tokens of synthetic input in shared memory (the stream cycles over them)
+constexpr float kLog2eF = 1.4426950408889634f;
+
+__host__ __device__ inline float in_dt(int t, int d) { return 0.02f + 2e-3f * float((t * 7 + d * 3) % 29); }
+__host__ __device__ inline float in_x(int t, int d) { return 0.5f - 0.03f * float((t * 5 + d) % 31); }
+__host__ __device__ inline float in_B(int t, int n) { return 0.25f + 0.03f * float((t + n * 5) % 17) - 0.2f; }
+__host__ __device__ inline float in_C(int t, int n) { return 0.75f - 0.04f * float((t * 2 + n) % 19); }
+__host__ __device__ inline float in_A(int d, int n) { return -(0.05f * float(n + 1) + 1e-2f * float(d % 16)); }
+__host__ __device__ inline float in_D(int d) { return 0.5f + 0.01f * float(d); }
+
+// Reduce-scatter of v[0 .. m) over the G adjacent lanes of a group: afterwards v[0 .. m / G) holds the
+// group's totals of indices base .. base + m / G.
+template <int M, int m, int G>
+__device__ __forceinline__ void reduce_scatter(float (&v)[M], int lane, int& base) {
+  if constexpr (G > 1) {
+    constexpr int half = m / 2;
+    const bool upper = lane & (G / 2);
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, G / 2);
+    }
+    if (upper) base += half;
+    reduce_scatter<M, half, G / 2>(v, lane, base);
+  }
+}
+
+// y: [kRing][W] (token t in slot t % kRing), h_out: [W][kN] (CTA 0).
+template <int KN, int K, int W>
+__global__ void __launch_bounds__(32 * W, 1) chunk_scan(float* y, float* h_out, long long* cycles, int tokens) {
+  constexpr int PN = kN / KN, TP = 32 / PN, kChunk = TP * K;
+  static_assert(kN % KN == 0 && K % PN == 0, "whole state groups; one y per lane after the reduction");
+  extern __shared__ float sm[];
+  float* s_dt = sm;                    // [kRing][W]
+  float* s_x = s_dt + kRing * W;       // [kRing][W]
+  float* s_B = s_x + kRing * W;        // [kRing][kN]
+  float* s_C = s_B + kRing * kN;       // [kRing][kN]
+  const int tid = threadIdx.x, lane = tid % 32, d = tid / 32;
+  for (int i = tid; i < kRing * W; i += blockDim.x) {
+    s_dt[i] = in_dt(i / W, i % W);
+    s_x[i] = in_x(i / W, i % W);
+  }
+  for (int i = tid; i < kRing * kN; i += blockDim.x) {
+    s_B[i] = in_B(i / kN, i % kN);
+    s_C[i] = in_C(i / kN, i % kN);
+  }
+  __syncthreads();
+  const int sg = lane % PN, tp = lane / PN, n0 = sg * KN;
+  float A2[KN], carry[KN];
+#pragma unroll
+  for (int i = 0; i < KN; ++i) {
+    A2[i] = in_A(d, n0 + i) * kLog2eF;
+    carry[i] = 0.f;
+  }
+  const float Dd = in_D(d);
+  const long long t_start = clock64();
+  for (int c0 = 0; c0 < tokens; c0 += kChunk) {
+    const int t0 = c0 + tp * K;
+    // pass 1: from zero, the decays kept
+    float a[K][KN], P[KN], h[KN];
+#pragma unroll
+    for (int i = 0; i < KN; ++i) P[i] = 1.f, h[i] = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int r = (t0 + k) % kRing;
+      const float dt = s_dt[r * W + d], dtx = dt * s_x[r * W + d];
+#pragma unroll
+      for (int i = 0; i < KN; ++i) {
+        a[k][i] = ex2(dt * A2[i]);
+        P[i] *= a[k][i];
+        h[i] = fmaf(a[k][i], h[i], dtx * s_B[r * kN + n0 + i]);
+      }
+    }
+    // combine over the TP token parts of each state: inclusive (P, h) prefix, then the exclusive one
+#pragma unroll
+    for (int s = 1; s < TP; s *= 2) {
+#pragma unroll
+      for (int i = 0; i < KN; ++i) {
+        const float Pu = __shfl_up_sync(0xffffffffu, P[i], s * PN);
+        const float hu = __shfl_up_sync(0xffffffffu, h[i], s * PN);
+        if (tp >= s) {
+          h[i] = fmaf(P[i], hu, h[i]);
+          P[i] *= Pu;
+        }
+      }
+    }
+    float start[KN];
+#pragma unroll
+    for (int i = 0; i < KN; ++i) {
+      const float Pe = __shfl_up_sync(0xffffffffu, P[i], PN), he = __shfl_up_sync(0xffffffffu, h[i], PN);
+      start[i] = tp == 0 ? carry[i] : fmaf(Pe, carry[i], he);
+      // the chunk's end state: the last token part's inclusive prefix, from the carry
+      const float Pl = __shfl_sync(0xffffffffu, P[i], (TP - 1) * PN + sg);
+      const float hl = __shfl_sync(0xffffffffu, h[i], (TP - 1) * PN + sg);
+      carry[i] = fmaf(Pl, carry[i], hl);
+    }
+    // pass 2: from the true start with the kept decays; y over the states of the channel
+    float v[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int r = (t0 + k) % kRing;
+      const float dtx = s_dt[r * W + d] * s_x[r * W + d];
+      float yk = 0.f;
+#pragma unroll
+      for (int i = 0; i < KN; ++i) {
+        start[i] = fmaf(a[k][i], start[i], dtx * s_B[r * kN + n0 + i]);
+        yk = fmaf(s_C[r * kN + n0 + i], start[i], yk);
+      }
+      v[k] = yk;
+    }
+    int base = 0;
+    reduce_scatter<K, K, PN>(v, lane, base);
+#pragma unroll
+    for (int q = 0; q < K / PN; ++q) {
+      const int t = t0 + base + q, r = t % kRing;
+      y[r * W + d] = fmaf(Dd, s_x[r * W + d], v[q]);
+    }
+  }
+  const long long clocks = clock64() - t_start;
+  if (blockIdx.x == 0 && tp == 0) {
+#pragma unroll
+    for (int i = 0; i < KN; ++i) h_out[d * kN + n0 + i] = carry[i];
+  }
+  if (tid == 0) cycles[blockIdx.x] = clocks;
+}
+
+template <int KN, int K, int W>
+bool run(int sms, int tokens, float* y, float* h_out, long long* cycles) {
+  constexpr int PN = kN / KN, TP = 32 / PN, kChunk = TP * K;
+  const int smem = int(sizeof(float)) * (2 * kRing * W + 2 * kRing * kN);
+  auto kern = chunk_scan<KN, K, W>;
+  CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // the check: two chunks from zero (the carry crosses once), outputs poisoned first
+  const int T = 2 * kChunk;
+  CHECK(cudaMemset(y, 0xff, sizeof(float) * kRing * W));
+  CHECK(cudaMemset(h_out, 0xff, sizeof(float) * W * kN));
+  kern<<<1, 32 * W, smem>>>(y, h_out, cycles, T);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> hy(kRing * W), hh(W * kN);
+  CHECK(cudaMemcpy(hy.data(), y, sizeof(float) * kRing * W, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(hh.data(), h_out, sizeof(float) * W * kN, cudaMemcpyDeviceToHost));
+  double worst = 0.0;
+  auto cmp = [&](float got, double want) {
+    const double e = std::isnan(got) ? INFINITY : std::fabs(double(got) - want) / (std::fabs(want) + 1e-3);
+    worst = e > worst ? e : worst;
+  };
+  for (int d = 0; d < W; ++d) {
+    std::vector<double> h(kN, 0.0);
+    for (int t = 0; t < T; ++t) {
+      double yt = double(in_D(d)) * in_x(t, d);
+      for (int n = 0; n < kN; ++n) {
+        h[n] = std::exp(double(in_dt(t, d)) * in_A(d, n)) * h[n] + double(in_dt(t, d)) * in_x(t, d) * in_B(t, n);
+        yt += double(in_C(t, n)) * h[n];
+      }
+      cmp(hy[(t % kRing) * W + d], yt);
+    }
+    for (int n = 0; n < kN; ++n) cmp(hh[d * kN + n], h[n]);
+  }
+  const bool ok = worst < 1e-4;
+  const long long slowest = slowest_of_two_launches(kern, sms, 32 * W, smem, cycles, y, h_out, cycles, tokens);
+  const double elems = double(tokens) * W * kN;
+  std::printf("KN=%d K=%2d (%2d token parts, chunks of %3d tokens) warps/SM=%2d: %5.2f elements per SM clock "
+              "(%.0f%% of the MUFU peak)%s\n",
+              KN, K, TP, kChunk, W, elems / double(slowest), 100.0 * elems / double(slowest) / 16.0,
+              ok ? "" : "  (WRONG RESULTS)");
+  if (!ok) std::printf("  largest relative error %.3g\n", worst);
+  return ok;
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float *y, *h_out;
+  long long* cycles;
+  CHECK(cudaMalloc(&y, sizeof(float) * kRing * 32));
+  CHECK(cudaMalloc(&h_out, sizeof(float) * 32 * kN));
+  CHECK(cudaMalloc(&cycles, sizeof(long long) * sms));
+  const int tokens = 1 << 15;
+  bool ok = true;
+  // batch 1, D = 1024 on 132 SMs: about 8 channels per SM
+  ok &= run<4, 8, 8>(sms, tokens, y, h_out, cycles);
+  ok &= run<4, 8, 16>(sms, tokens, y, h_out, cycles);
+  ok &= run<4, 16, 8>(sms, tokens, y, h_out, cycles);
+  ok &= run<2, 8, 8>(sms, tokens, y, h_out, cycles);
+  ok &= run<2, 8, 16>(sms, tokens, y, h_out, cycles);
+  ok &= run<8, 4, 8>(sms, tokens, y, h_out, cycles);
+  ok &= run<8, 8, 8>(sms, tokens, y, h_out, cycles);
+  std::printf(ok ? "every layout matches the float64 evaluation\n" : "SOME LAYOUTS GAVE WRONG RESULTS\n");
+  return ok ? 0 : 1;
+}
