@@ -29,7 +29,7 @@ for tool in $TOOLS; do
   quick=(--quick)
   [ "${SELSCAN_SANITIZE_FULL:-0}" = 1 ] && quick=()
   [ -n "${SELSCAN_SANITIZE_SHARD:-}" ] && quick+=(--shard "$SELSCAN_SANITIZE_SHARD")
-  # racecheck and synccheck instrument only this project's kernels (their names hold "selscan"): the
+  # racecheck, synccheck and initcheck instrument only this project's kernels (their names hold "selscan"): the
   # hazards of torch's and cuBLAS's kernels are not ours, and instrumenting them all is what made
   # racecheck too slow for one slot. SELSCAN_SANITIZE_ALL_KERNELS=1 checks every kernel.
   ours=(--kernel-name kns=selscan)
@@ -38,7 +38,9 @@ for tool in $TOOLS; do
     memcheck) args=(--leak-check no) ;;
     racecheck) args=(--racecheck-report hazard "${ours[@]}") ;;
     synccheck) args=("${ours[@]}") ;;
-    initcheck) args=() ;;  # (--track-unused-memory is a switch in compute-sanitizer 2025+: off unless given)
+    # initcheck: only this project's kernels, on inputs no cuBLAS kernel wrote (sanitize_cases.py
+    # --initcheck says why); --track-unused-memory is a switch in compute-sanitizer 2025+, off unless given
+    initcheck) args=("${ours[@]}"); quick+=(--initcheck) ;;
   esac
   t0=$(date +%s)
   "$CS" --tool "$tool" "${args[@]}" --error-exitcode 99 --print-limit 50 --target-processes all \

@@ -8,6 +8,16 @@ too (a tool can change timing, never results).
     python scripts/sanitize_cases.py [--quick]      # --quick: a third of the grid (racecheck)
     python scripts/sanitize_cases.py --quick --shard 2/6   # the third of the six parts of that (a slow tool
                                                            # run in parts: K/M runs the runs with index % M == K)
+    python scripts/sanitize_cases.py --initcheck            # what initcheck runs (below)
+
+--initcheck: compute-sanitizer's initcheck does not see the writes of cuBLAS's kernels (a clone of an
+F.linear output is reported as a read of uninitialized memory), so every read of the projections
+that the ops compute with cuBLAS would be reported. This mode drives the kernels through the ops that
+take their inputs from the caller: the projections formed by elementwise products and a sum (no
+cuBLAS), the scan kernel on them (`scan_fwd`), the fused kernel (`fused_fwd_res`: it reads only the
+caller's tensors) for the checkpoints and its own forward, and the backward kernel (`unfused_bwd`) on
+those projections and checkpoints. sanitize.sh checks only this project's kernels under initcheck,
+so what it reports is a read by one of them of memory nothing wrote. Needs the fused kernel (sm_90).
 """
 import argparse
 import sys
@@ -39,10 +49,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
+    ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
     args = ap.parse_args()
     k, m = (int(v) for v in args.shard.split("/"))
     index = -1
     hopper = selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)
+    if args.initcheck:
+        if not hopper:
+            sys.exit("--initcheck needs the fused kernel (an sm_90 GPU and the fused extension) for its checkpoints")
+        return initcheck_grid(args, k, m)
     impls = ["unfused"] + (["fused"] if hopper else [])
     runs, worst = 0, 0.0
     for gi, (batch, L, Dm, N, cfg) in enumerate(GRID):
@@ -82,6 +97,54 @@ def main():
                     sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
                 runs += 1
                 worst = max(worst, err / TOLERANCE[mode])
+    torch.set_float32_matmul_precision("highest")
+    print(f"{runs} forward+backward runs, all within bounds (worst {worst:.2f} of the bound)")
+
+
+def _ops_without_cublas(inp, cfg):
+    """y of the scan kernel, y of the fused kernel and the backward kernel's gradients, no cuBLAS output
+    read by any of them."""
+    ops = torch.ops.selscan_fused
+    x, h0 = inp["x"], inp["h0"]
+    W = torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]])
+    proj = (x.float().unsqueeze(-2) * W.float()).sum(-1).to(x.dtype)  # (batch, L, D + 2N), reductions only
+    seg, tile = cfg.get("l_segments", 0), cfg.get("channel_tile", 0)
+    y_scan, h = ops.scan_fwd(proj, x, inp["A_log"], inp["b_delta"], inp["D"], h0, True, seg)
+    y_fused, _, ckpt = ops.fused_fwd_res(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"],
+                                         inp["D"], h0, seg, False, 0, tile)
+    dy = torch.randn_like(y_scan)
+    dhT = torch.randn_like(h)
+    grads = ops.unfused_bwd(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"], h0,
+                            dy, dhT, proj, ckpt, seg)
+    return y_scan, y_fused, grads
+
+
+def initcheck_grid(args, k, m):
+    runs, worst, index = 0, 0.0, -1
+    for gi, (batch, L, Dm, N, cfg) in enumerate(GRID):
+        for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
+            if args.quick and (gi + mi) % 3:
+                continue
+            if cfg.get("channel_tile") == 16 and dt == torch.float32:
+                continue
+            index += 1
+            if index % m != k:
+                continue
+            torch.manual_seed(1000 * gi + 10 * mi)
+            torch.set_float32_matmul_precision(prec)
+            inp = make_inputs(batch, L, Dm, N, dtype=dt, device="cuda", with_h0=bool(gi % 2))
+            with torch.no_grad():
+                y_scan, y_fused, grads = _ops_without_cublas(inp, cfg)
+            torch.cuda.synchronize()
+            y64, _ = float64_eval(inp)
+            err = max(rel_l2(y_scan, y64), rel_l2(y_fused, y64))
+            ok = err < TOLERANCE[mode] and all(bool(torch.isfinite(g).all()) for g in grads)
+            print(f"ops      {mode:16s} {batch}x{L}x{Dm}x{N} {cfg}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
+                  flush=True)
+            if not ok:
+                sys.exit(f"wrong result: ops {mode} {batch}x{L}x{Dm}x{N} {cfg}")
+            runs += 1
+            worst = max(worst, err / TOLERANCE[mode])
     torch.set_float32_matmul_precision("highest")
     print(f"{runs} forward+backward runs, all within bounds (worst {worst:.2f} of the bound)")
 
