@@ -45,21 +45,10 @@ GRID = [
 ]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
-    ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
-    args = ap.parse_args()
+def _runs(args, impls):
+    """(impl, mode, dtype, precision, batch, L, D, N, config, grid index) of every run the arguments select."""
     k, m = (int(v) for v in args.shard.split("/"))
     index = -1
-    hopper = selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)
-    if args.initcheck:
-        if not hopper:
-            sys.exit("--initcheck needs the fused kernel (an sm_90 GPU and the fused extension) for its checkpoints")
-        return initcheck_grid(args, k, m)
-    impls = ["unfused"] + (["fused"] if hopper else [])
-    runs, worst = 0, 0.0
     for gi, (batch, L, Dm, N, cfg) in enumerate(GRID):
         for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
             if args.quick and (gi + mi) % 3:
@@ -70,81 +59,69 @@ def main():
                 if cfg.get("channel_tile") == 16 and dt == torch.float32:
                     continue
                 index += 1
-                if index % m != k:
-                    continue
-                torch.manual_seed(1000 * gi + 10 * mi)
-                torch.set_float32_matmul_precision(prec)
-                inp = make_inputs(batch, L, Dm, N, dtype=dt, device="cuda", with_h0=bool(gi % 2))
-                leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items() if v is not None}
-                a = dict(inp, **leaves)
-                y, h = selscan_fused.selective_scan(a["x"], a["A_log"], a["W_delta"], a["b_delta"], a["W_B"], a["W_C"],
-                                                    a["D"], h0=a["h0"], return_final_state=True, impl=impl,
-                                                    config=ScanConfig(**cfg))
-                scale = 2.0 ** -6 if dt == torch.float16 else 1.0
-                (y.float().sum() * scale + h.sum() * scale).backward()
-                with torch.no_grad():
-                    y2 = selscan_fused.selective_scan(inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"],
-                                                      inp["W_B"], inp["W_C"], inp["D"], h0=inp["h0"], impl=impl,
-                                                      config=ScanConfig(**cfg))
-                torch.cuda.synchronize()
-                y64, _ = float64_eval(inp)
-                err = rel_l2(y2, y64)
-                ok = err < TOLERANCE[mode] and torch.equal(y.detach(), y2) and all(
-                    bool(torch.isfinite(t.grad).all()) for t in leaves.values())
-                print(f"{impl:8s} {mode:16s} {batch}x{L}x{Dm}x{N} {cfg}: rel err {err:.2e} "
-                      f"{'ok' if ok else 'WRONG'}", flush=True)
-                if not ok:
-                    sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
-                runs += 1
-                worst = max(worst, err / TOLERANCE[mode])
-    torch.set_float32_matmul_precision("highest")
-    print(f"{runs} forward+backward runs, all within bounds (worst {worst:.2f} of the bound)")
+                if index % m == k:
+                    yield impl, mode, dt, prec, batch, L, Dm, N, cfg, 1000 * gi + 10 * mi, bool(gi % 2)
+
+
+def _through_the_api(inp, impl, cfg, dt):
+    """([y], ok): forward + backward through selective_scan; ok when the no-grad call gives the same y and
+    every gradient is finite."""
+    leaves = {name: v.clone().requires_grad_(True) for name, v in inp.items() if v is not None}
+    a = dict(inp, **leaves)
+    y, h = selscan_fused.selective_scan(a["x"], a["A_log"], a["W_delta"], a["b_delta"], a["W_B"], a["W_C"], a["D"],
+                                        h0=a["h0"], return_final_state=True, impl=impl, config=ScanConfig(**cfg))
+    scale = 2.0 ** -6 if dt == torch.float16 else 1.0
+    (y.float().sum() * scale + h.sum() * scale).backward()
+    with torch.no_grad():
+        y2 = selscan_fused.selective_scan(inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"],
+                                          inp["W_C"], inp["D"], h0=inp["h0"], impl=impl, config=ScanConfig(**cfg))
+    same = torch.equal(y.detach(), y2)
+    return [y2], same and all(bool(torch.isfinite(t.grad).all()) for t in leaves.values())
 
 
 def _ops_without_cublas(inp, cfg):
-    """y of the scan kernel, y of the fused kernel and the backward kernel's gradients, no cuBLAS output
-    read by any of them."""
+    """--initcheck: the scan kernel, the fused kernel and the backward kernel, none reading a cuBLAS output;
+    (their two y, whether every gradient is finite)."""
     ops = torch.ops.selscan_fused
     x, h0 = inp["x"], inp["h0"]
     W = torch.cat([inp["W_delta"], inp["W_B"], inp["W_C"]])
-    proj = (x.float().unsqueeze(-2) * W.float()).sum(-1).to(x.dtype)  # (batch, L, D + 2N), reductions only
-    seg, tile = cfg.get("l_segments", 0), cfg.get("channel_tile", 0)
-    y_scan, h = ops.scan_fwd(proj, x, inp["A_log"], inp["b_delta"], inp["D"], h0, True, seg)
-    y_fused, _, ckpt = ops.fused_fwd_res(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"],
-                                         inp["D"], h0, seg, False, 0, tile)
-    dy = torch.randn_like(y_scan)
-    dhT = torch.randn_like(h)
-    grads = ops.unfused_bwd(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"], h0,
-                            dy, dhT, proj, ckpt, seg)
-    return y_scan, y_fused, grads
+    with torch.no_grad():
+        proj = (x.float().unsqueeze(-2) * W.float()).sum(-1).to(x.dtype)  # (batch, L, D + 2N), reductions only
+        seg, tile = cfg.get("l_segments", 0), cfg.get("channel_tile", 0)
+        y_scan, h = ops.scan_fwd(proj, x, inp["A_log"], inp["b_delta"], inp["D"], h0, True, seg)
+        y_fused, _, ckpt = ops.fused_fwd_res(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"],
+                                             inp["W_C"], inp["D"], h0, seg, False, 0, tile)
+        grads = ops.unfused_bwd(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"],
+                                h0, torch.randn_like(y_scan), torch.randn_like(h), proj, ckpt, seg)
+    return [y_scan, y_fused], all(bool(torch.isfinite(g).all()) for g in grads)
 
 
-def initcheck_grid(args, k, m):
-    runs, worst, index = 0, 0.0, -1
-    for gi, (batch, L, Dm, N, cfg) in enumerate(GRID):
-        for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
-            if args.quick and (gi + mi) % 3:
-                continue
-            if cfg.get("channel_tile") == 16 and dt == torch.float32:
-                continue
-            index += 1
-            if index % m != k:
-                continue
-            torch.manual_seed(1000 * gi + 10 * mi)
-            torch.set_float32_matmul_precision(prec)
-            inp = make_inputs(batch, L, Dm, N, dtype=dt, device="cuda", with_h0=bool(gi % 2))
-            with torch.no_grad():
-                y_scan, y_fused, grads = _ops_without_cublas(inp, cfg)
-            torch.cuda.synchronize()
-            y64, _ = float64_eval(inp)
-            err = max(rel_l2(y_scan, y64), rel_l2(y_fused, y64))
-            ok = err < TOLERANCE[mode] and all(bool(torch.isfinite(g).all()) for g in grads)
-            print(f"ops      {mode:16s} {batch}x{L}x{Dm}x{N} {cfg}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
-                  flush=True)
-            if not ok:
-                sys.exit(f"wrong result: ops {mode} {batch}x{L}x{Dm}x{N} {cfg}")
-            runs += 1
-            worst = max(worst, err / TOLERANCE[mode])
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
+    ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
+    args = ap.parse_args()
+    hopper = selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)
+    if args.initcheck and not hopper:
+        sys.exit("--initcheck needs the fused kernel (an sm_90 GPU and the fused extension) for its checkpoints")
+    impls = ["ops"] if args.initcheck else ["unfused"] + (["fused"] if hopper else [])
+    runs, worst = 0, 0.0
+    for impl, mode, dt, prec, batch, L, Dm, N, cfg, seed, with_h0 in _runs(args, impls):
+        torch.manual_seed(seed)
+        torch.set_float32_matmul_precision(prec)
+        inp = make_inputs(batch, L, Dm, N, dtype=dt, device="cuda", with_h0=with_h0)
+        ys, ok = _ops_without_cublas(inp, cfg) if impl == "ops" else _through_the_api(inp, impl, cfg, dt)
+        torch.cuda.synchronize()
+        y64, _ = float64_eval(inp)
+        err = max(rel_l2(y, y64) for y in ys)
+        ok = ok and err < TOLERANCE[mode]
+        print(f"{impl:8s} {mode:16s} {batch}x{L}x{Dm}x{N} {cfg}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
+              flush=True)
+        if not ok:
+            sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
+        runs += 1
+        worst = max(worst, err / TOLERANCE[mode])
     torch.set_float32_matmul_precision("highest")
     print(f"{runs} forward+backward runs, all within bounds (worst {worst:.2f} of the bound)")
 
