@@ -37,25 +37,6 @@ __host__ __device__ inline float in_dy(int t, int d) { return 0.3f + 0.01f * flo
 __host__ __device__ inline float in_B(int t, int n) { return 0.25f + 0.03f * float((t + n * 5) % 17) - 0.2f; }
 __host__ __device__ inline float in_C(int t, int n) { return 0.75f - 0.04f * float((t * 2 + n) % 19); }
 __host__ __device__ inline float in_A(int d, int n) { return -(0.05f * float(n + 1) + 1e-3f * float(d % 64)); }
-constexpr float kLog2eF = 1.4426950408889634f, kLn2F = 0.6931471805599453f;
-
-// Reduce-scatter of v[0 .. m) over the G lanes whose lane / STRIDE differ in the bits below G (G, STRIDE
-// powers of 2): afterwards v[0 .. m / G) holds the group's totals of indices base .. base + m / G.
-template <int M, int m, int G, int STRIDE>
-__device__ __forceinline__ void reduce_scatter(float (&v)[M], int lane, int& base) {
-  if constexpr (G > 1) {
-    constexpr int half = m / 2;
-    const bool upper = (lane / STRIDE) & (G / 2);
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[i + half];
-      const float keep = upper ? v[i + half] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (G / 2) * STRIDE);
-    }
-    if (upper) base += half;
-    reduce_scatter<M, half, G / 2, STRIDE>(v, lane, base);
-  }
-}
 
 template <int KD, int KN, int S, int WARPS>
 struct Layout {

@@ -29,7 +29,6 @@
 
 constexpr int kN = 16;
 constexpr int kRing = 256;  // tokens of synthetic input in shared memory (the stream cycles over them)
-constexpr float kLog2eF = 1.4426950408889634f;
 
 __host__ __device__ inline float in_dt(int t, int d) { return 0.02f + 2e-3f * float((t * 7 + d * 3) % 29); }
 __host__ __device__ inline float in_x(int t, int d) { return 0.5f - 0.03f * float((t * 5 + d) % 31); }
@@ -37,24 +36,6 @@ __host__ __device__ inline float in_B(int t, int n) { return 0.25f + 0.03f * flo
 __host__ __device__ inline float in_C(int t, int n) { return 0.75f - 0.04f * float((t * 2 + n) % 19); }
 __host__ __device__ inline float in_A(int d, int n) { return -(0.05f * float(n + 1) + 1e-2f * float(d % 16)); }
 __host__ __device__ inline float in_D(int d) { return 0.5f + 0.01f * float(d); }
-
-// Reduce-scatter of v[0 .. m) over the G adjacent lanes of a group: afterwards v[0 .. m / G) holds the
-// group's totals of indices base .. base + m / G.
-template <int M, int m, int G>
-__device__ __forceinline__ void reduce_scatter(float (&v)[M], int lane, int& base) {
-  if constexpr (G > 1) {
-    constexpr int half = m / 2;
-    const bool upper = lane & (G / 2);
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[i + half];
-      const float keep = upper ? v[i + half] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, G / 2);
-    }
-    if (upper) base += half;
-    reduce_scatter<M, half, G / 2>(v, lane, base);
-  }
-}
 
 // y: [kRing][W] (token t in slot t % kRing), h_out: [W][kN] (CTA 0).
 template <int KN, int K, int W>

@@ -13,6 +13,27 @@
     }                                                                                    \
   } while (0)
 
+constexpr float kLog2eF = 1.4426950408889634f, kLn2F = 0.6931471805599453f;
+
+// Reduce-scatter of v[0 .. m) over the G lanes whose lane / STRIDE differ in the bits below G (G, STRIDE
+// powers of 2; STRIDE 1: adjacent lanes): afterwards v[0 .. m / G) holds the group's totals of indices
+// base .. base + m / G. A shuffle, an add and two selects per pair and level. Call with m = M, base = 0.
+template <int M, int m, int G, int STRIDE = 1>
+__device__ __forceinline__ void reduce_scatter(float (&v)[M], int lane, int& base) {
+  if constexpr (G > 1) {
+    constexpr int half = m / 2;
+    const bool upper = (lane / STRIDE) & (G / 2);
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (G / 2) * STRIDE);
+    }
+    if (upper) base += half;
+    reduce_scatter<M, half, G / 2, STRIDE>(v, lane, base);
+  }
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
