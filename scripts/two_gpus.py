@@ -36,17 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import selscan_fused  # noqa: E402
 from selective_copying import Model  # noqa: E402  (the training run's model: embedding, blocks, head)
+from selscan_fused.demo import make_inputs  # noqa: E402
 
 
 # --- devices -------------------------------------------------------------------------------------------
 
 def _inputs(dev, dtype, batch=2, L=777, Dm=128, N=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    b = Dm ** -0.5
-    u = lambda *s: (torch.rand(*s, generator=g) * 2 - 1) * b  # noqa: E731
-    inp = dict(x=torch.randn(batch, L, Dm, generator=g).to(dtype), A_log=torch.randn(Dm, N, generator=g),
-               W_delta=u(Dm, Dm).to(dtype), b_delta=u(Dm), W_B=u(N, Dm).to(dtype), W_C=u(N, Dm).to(dtype),
-               D=torch.randn(Dm, generator=g), h0=torch.randn(batch, Dm, N, generator=g))
+    """The layer's inputs drawn on the CPU from one seed (the same values for every device), with h0."""
+    torch.manual_seed(seed)
+    inp = make_inputs(batch, L, Dm, N, dtype, "cpu")
+    inp["h0"] = torch.randn(batch, Dm, N)
     return {k: v.to(dev) for k, v in inp.items()}
 
 
@@ -150,9 +149,8 @@ def run_ddp(args) -> bool:
     ok = True
     modes = ["ddp"] + (["fsdp"] if args.fsdp else [])
     for mode in modes:
-        torch.manual_seed(0)
         m = Model(args.vocab, args.width, args.states, args.layers, impl).to(device)
-        m.load_state_dict(model.state_dict())
+        m.load_state_dict(model.state_dict())  # the same initial weights in every mode and process
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
             wrapped = DistributedDataParallel(m, device_ids=None if cpu else [device.index])
