@@ -20,12 +20,21 @@ COLOURS = {p: f"C{i}" for i, p in enumerate(["fused", "unfused", "scan", "mamba-
                                              "pytorch-scan", "fft-conv", "reference"])}
 
 
-def plot_figure(csv_path, png_path, gpu=None):
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _measured_rows(csv_path, keep):
     with open(csv_path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh) if r["status"].startswith("ok") and (gpu is None or r["gpu"] == gpu)]
+        return [r for r in csv.DictReader(fh) if r["status"].startswith("ok") and keep(r)]
+
+
+def plot_figure(csv_path, png_path, gpu=None):
+    plt = _pyplot()
+    rows = _measured_rows(csv_path, lambda r: gpu is None or r["gpu"] == gpu)
     if not rows:
         raise SystemExit(f"{csv_path}: no measured rows")
     modes = [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in rows)]
@@ -45,6 +54,10 @@ def plot_figure(csv_path, png_path, gpu=None):
                      f"{r0['dtype']}, {r0['gpu']}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    return _save(fig, png_path)
+
+
+def _save(fig, png_path):
     fig.tight_layout()
     fig.savefig(png_path, dpi=130)
     return png_path
@@ -54,11 +67,8 @@ TABLE_PATHS = ("unfused", "fused", "scan", "mamba-scan")
 
 
 def plot_table(csv_path, png_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(csv_path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh) if r["status"].startswith("ok") and r["x_mamba_user"] not in ("", "nan")]
+    plt = _pyplot()
+    rows = _measured_rows(csv_path, lambda r: r["x_mamba_user"] not in ("", "nan"))
     if not rows:
         raise SystemExit(f"{csv_path}: no rows with mamba-ssm's user path beside them")
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
@@ -88,9 +98,7 @@ def plot_table(csv_path, png_path):
         ax.legend(fontsize=7)
     for k in range(len(dtypes), nrow * ncol):
         axes[k // ncol][k % ncol].axis("off")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=130)
-    return png_path
+    return _save(fig, png_path)
 
 
 def main(argv=None):
