@@ -161,9 +161,13 @@ def run_ddp(args) -> bool:
                 if rank == 0:
                     print(f"fsdp: not run: {e}")
                 continue
+            from torch.distributed.device_mesh import init_device_mesh
+            # The mesh named by the run's device: left to itself, fully_shard takes CUDA whenever it is
+            # present, and a CPU run on a one-GPU machine then asks rank 1 for cuda:1.
+            mesh = init_device_mesh("cpu" if cpu else "cuda", (world,))
             for b in m.blocks:
-                fully_shard(b)
-            wrapped = fully_shard(m)
+                fully_shard(b, mesh=mesh)
+            wrapped = fully_shard(m, mesh=mesh)
         rows = slice(rank * per, (rank + 1) * per)
         if args.wrong and rank == world - 1:  # the harness's own check: the last rank trains on wrong rows
             rows = slice(0, per)
