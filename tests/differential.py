@@ -29,6 +29,7 @@ import torch
 
 import selscan_fused
 from selscan_fused.reference import selective_scan_ref
+from selscan_fused.api import FUSED_DIM_MULTIPLE, UNFUSED_DIM_MULTIPLE
 
 TOLERANCE = {"float32-highest": 1e-5, "float32-high": 1e-3, "bfloat16": 1e-2, "float16": 3e-3}
 DTYPE = {"float32-highest": torch.float32, "float32-high": torch.float32, "bfloat16": torch.bfloat16,
@@ -74,8 +75,9 @@ def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
     batch = r.choice([1, 1, 2, 3]) if L > 1500 else r.choice([1, 2, 3, 5])
     while batch * L * Dm > 3_000_000 and Dm > 64:  # keeps the float64 evaluation quick
         Dm //= 2
-    if impl == "fused":
-        Dm = max(64, Dm - Dm % 64)
+    # halving can leave the path's multiple (8 * 33 -> 132): back onto it
+    mult = FUSED_DIM_MULTIPLE if impl == "fused" else UNFUSED_DIM_MULTIPLE
+    Dm = max(mult, Dm - Dm % mult)
     lo, hi = sorted((r.uniform(-8.0, 4.0), r.uniform(-8.0, 4.0)))
     x_scale = 10 ** r.uniform(-3.0, 3.0)
     z_scale = 10 ** r.uniform(-2.0, 1.5)

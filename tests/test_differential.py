@@ -32,6 +32,23 @@ def _small_reference_cases(n):
     return out
 
 
+def test_every_case_is_inside_its_paths_envelope():
+    """The generator draws only what the path supports (once, seed 4009526 index 381 drew D = 132 for
+    the unfused path, whose D must be a multiple of 8: the halving that keeps the float64 evaluation
+    quick had left the multiple)."""
+    from selscan_fused.api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_DIM, UNFUSED_DIM_MULTIPLE,
+                                   UNFUSED_DSTATES)
+    assert make_case(4009526, 381).Dm % UNFUSED_DIM_MULTIPLE == 0
+    for seed in (1, 4009526, 12961967):
+        for index in range(2000):
+            c = make_case(seed, index)
+            if c.impl == "fused":
+                assert c.Dm % FUSED_DIM_MULTIPLE == 0 and c.Dm <= FUSED_MAX_DIM and c.N in FUSED_DSTATES, c.line()
+            else:
+                assert c.Dm % UNFUSED_DIM_MULTIPLE == 0 and c.N in UNFUSED_DSTATES, c.line()
+            assert c.batch >= 1 and 1 <= c.L <= 4097, c.line()
+
+
 def test_the_reference_passes_its_own_judge():
     for c in _small_reference_cases(6):
         assert run_case(c, device="cpu") == [], c.line()
