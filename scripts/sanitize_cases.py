@@ -16,8 +16,12 @@ that the ops compute with cuBLAS would be reported. This mode drives the kernels
 take their inputs from the caller: the projections formed by elementwise products and a sum (no
 cuBLAS), the scan kernel on them (`scan_fwd`), the fused kernel (`fused_fwd_res`: it reads only the
 caller's tensors) for the checkpoints and its own forward, and the backward kernel (`unfused_bwd`) on
-those projections and checkpoints. sanitize.sh checks only this project's kernels under initcheck,
-so what it reports is a read by one of them of memory nothing wrote. Needs the fused kernel (sm_90).
+those projections and checkpoints. sanitize.sh instruments every kernel under initcheck (a kernel
+left out of the instrumentation is not seen writing either). What is left to cuBLAS: the backward op's
+own dx and dW products, so that in bfloat16 and float16 the op's copy of dW_B and dW_C and the
+finiteness check of the gradients are reported as reads of uninitialized memory (docs/reliability.md,
+"Runs"); a report in one of this project's kernels is a read of memory nothing wrote. Needs the fused
+kernel (sm_90).
 """
 import argparse
 import sys
