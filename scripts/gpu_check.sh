@@ -71,6 +71,10 @@ t3=$(date +%s)
 #                                     seed) and scripts/sanitize.sh (SELSCAN_SANITIZE_TOOLS, default
 #                                     "memcheck synccheck racecheck initcheck"), logs in LOGDIR
 #   SELSCAN_GPU_CHECK_MICRO=1         benchmarks/micro/bwd_layouts.cu and chunk_scan.cu, built and run
+#   SELSCAN_GPU_CHECK_RESULTS=table,figure   a second run of the ablation table and / or the paper
+#                                     figure into LOGDIR (SELSCAN_FIGURE_ARGS: e.g. --max-L 65536; a CSV
+#                                     already in LOGDIR is resumed), each compared row by row with the
+#                                     committed CSV (benchmarks/compare_results.py; docs/results.md, 5)
 extra=""
 if [ "${SELSCAN_GPU_CHECK_RELIABILITY:-0}" = 1 ]; then
   $PY scripts/differential.py --cases 500 ${SELSCAN_DIFF_SEED:+--seed "$SELSCAN_DIFF_SEED"} > "$LOG/differential.log" 2>&1 || status=1
@@ -87,6 +91,15 @@ if [ "${SELSCAN_GPU_CHECK_MICRO:-0}" = 1 ]; then
   done
   extra+="$(cat "$LOG/micro.log")"$'\n'
 fi
+results=",${SELSCAN_GPU_CHECK_RESULTS:-},"
+for what in table figure; do
+  [[ $results == *,$what,* ]] || continue
+  if [ $what = table ]; then name=ablation_table; run=(benchmarks/ablation_table.py); else
+    name=paper_figure; run=(benchmarks/paper_figure.py ${SELSCAN_FIGURE_ARGS:-}); fi
+  $PY "${run[@]}" --csv "$LOG/$name.csv" > "$LOG/$name.log" 2>&1 || status=1
+  $PY benchmarks/compare_results.py "docs/$name.csv" "$LOG/$name.csv" > "$LOG/compare_$name.log" 2>&1 || status=1
+  extra+="$(head -n 2 "$LOG/compare_$name.log")"$'\n'
+done
 t4=$(date +%s)
 
 echo

@@ -72,3 +72,44 @@ def test_plot_of_the_ablation_table(tmp_path):
         csv.DictWriter(fh, fieldnames=ablation_table.FIELDS).writeheader()
     with pytest.raises(SystemExit, match="no rows"):
         plot_results.plot_table(str(out), str(tmp_path / "t2.png"))
+
+
+def _write_csv(path, fields, rows):
+    import csv
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_compare_results_finds_what_did_not_reproduce(tmp_path, capsys):
+    import compare_results
+    fields = ["shape", "dtype", "path", "gpu_ms", "eager_ms", "status"]
+    row = lambda shape, path, ms, status="ok": dict(shape=shape, dtype="bf16", path=path, gpu_ms=ms,  # noqa: E731
+                                                     eager_ms=ms, status=status)
+    old = [row("S1", "fused", 0.0657), row("S2", "fused", 0.344), row("S3", "fused", 0.865),
+           row("S4", "fused", 0.266), row("S4", "mamba-user", 1.08), row("S5-1", "fused", 0.0134)]
+    new = [row("S1", "fused", 0.0690), row("S2", "fused", 0.420), row("S3", "fused", 0.850),
+           row("S4", "fused", 0.270), row("S4", "mamba-user", "", "unavailable: no selective_scan_cuda"),
+           row("R", "fused", 0.1)]
+    _write_csv(tmp_path / "old.csv", fields, old)
+    _write_csv(tmp_path / "new.csv", fields, new)
+    assert compare_results.main([str(tmp_path / "old.csv"), str(tmp_path / "new.csv")]) == 1
+    out = capsys.readouterr().out
+    assert "4 rows measured in both runs, 3 within 10%, 1 outside; 1 changed status" in out
+    assert "outside: shape=S2 dtype=bf16 path=fused: 0.344 -> 0.42 ms (1.221x)" in out
+    assert "status: shape=S4 dtype=bf16 path=mamba-user" in out
+    assert f"only in {tmp_path / 'old.csv'}: shape=S5-1 dtype=bf16 path=fused" in out
+    assert f"only in {tmp_path / 'new.csv'}: shape=R dtype=bf16 path=fused" in out
+    _write_csv(tmp_path / "same.csv", fields, [dict(r, gpu_ms=float(r["gpu_ms"]) * 1.05) for r in old])
+    assert compare_results.main([str(tmp_path / "old.csv"), str(tmp_path / "same.csv")]) == 0
+
+
+@pytest.mark.parametrize("name", ["paper_figure", "ablation_table"])
+def test_compare_results_reads_the_committed_tables(name, capsys):
+    import compare_results
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", f"{name}.csv")
+    assert compare_results.main([path, path]) == 0
+    _, rows = compare_results.read(path)
+    measured = sum(r["status"].startswith("ok") for r in rows)
+    assert f"{name}: {measured} rows measured in both runs, {measured} within 10%, 0 outside" in capsys.readouterr().out
