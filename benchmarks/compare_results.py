@@ -1,5 +1,5 @@
 """A second run of a results table against the committed one, row by row: whether the committed
-figures reproduce (docs/results.md, "Reproducing the committed figures").
+figures reproduce (docs/results.md, "5. Reproducing").
 
     python benchmarks/compare_results.py docs/paper_figure.csv NEW.csv       # the paper figure's rows
     python benchmarks/compare_results.py docs/ablation_table.csv NEW.csv     # the ablation table's rows

@@ -72,9 +72,9 @@ t3=$(date +%s)
 #                                     "memcheck synccheck racecheck initcheck"), logs in LOGDIR
 #   SELSCAN_GPU_CHECK_MICRO=1         benchmarks/micro/bwd_layouts.cu and chunk_scan.cu, built and run
 #   SELSCAN_GPU_CHECK_RESULTS=table,figure   a second run of the ablation table and / or the paper
-#                                     figure into LOGDIR (SELSCAN_FIGURE_ARGS: e.g. --max-L 65536; a CSV
-#                                     already in LOGDIR is resumed), each compared row by row with the
-#                                     committed CSV (benchmarks/compare_results.py; docs/results.md, 5)
+#                                     figure into LOGDIR (SELSCAN_FIGURE_ARGS: e.g. --max-L 65536; the
+#                                     figure resumes a CSV already in LOGDIR), each compared row by row
+#                                     with the committed CSV (benchmarks/compare_results.py; docs/results.md, 5)
 extra=""
 if [ "${SELSCAN_GPU_CHECK_RELIABILITY:-0}" = 1 ]; then
   $PY scripts/differential.py --cases 500 ${SELSCAN_DIFF_SEED:+--seed "$SELSCAN_DIFF_SEED"} > "$LOG/differential.log" 2>&1 || status=1
