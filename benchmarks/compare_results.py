@@ -45,7 +45,8 @@ def compare(old_rows, new_rows, keys, tol):
     key = lambda r: tuple(r[k] for k in keys)  # noqa: E731
     old = {key(r): r for r in old_rows}
     new = {key(r): r for r in new_rows}
-    out = {"within": [], "outside": [], "status": [], "only_old": [], "only_new": [], "ratios": []}
+    out = {"within": [], "outside": [], "status": [], "only_old": [], "ratios": [],
+           "only_new": [k for k in new if k not in old]}
     for k, o in old.items():
         n = new.get(k)
         if n is None:
@@ -57,7 +58,6 @@ def compare(old_rows, new_rows, keys, tol):
                                                                             ratio))
         elif _ok(o) != _ok(n):
             out["status"].append((k, o["status"], n["status"]))
-    out["only_new"] = [k for k in new if k not in old]
     return out
 
 
