@@ -5,8 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <tuple>
+#include <vector>
 
+#include "common/checkpoints.h"
 #include "common/dtype.h"
 
 namespace selscan {
@@ -104,6 +107,48 @@ inline std::tuple<at::Tensor, at::Tensor> empty_result(const at::Tensor& x, int6
   at::Tensor hT = at::empty({0}, x.options().dtype(at::kFloat));
   if (return_final_state) hT = h0 ? h0->clone(at::MemoryFormat::Contiguous) : at::zeros({batch, Dm, N}, hT.options());
   return {y, hT};
+}
+
+// The backward ops' own arguments: the upstream gradients (any floating dtype, any strides) and the
+// forward's checkpoints.
+inline void check_backward_args(const at::Tensor& x, const at::Tensor& dy, const c10::optional<at::Tensor>& dhT,
+                                const at::Tensor& ckpt, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
+  check_tensor(dy, "dy (the gradient of y)", x, x.sizes(), c10::nullopt);
+  TORCH_CHECK(dy.is_floating_point(), "selscan_fused: dy (the gradient of y) must be floating-point, got ",
+              dy.scalar_type());
+  if (dhT) {
+    check_tensor(*dhT, "dhT (the gradient of the final state)", x, {batch, Dm, N}, c10::nullopt);
+    TORCH_CHECK(dhT->is_floating_point(), "selscan_fused: dhT must be floating-point, got ", dhT->scalar_type());
+  }
+  check_tensor(ckpt, "ckpt (the forward's checkpoints)", x, {batch, ckpt_count(L), Dm, N}, at::kFloat);
+}
+
+// The end of both paths' backward, after the kernel: the sums of its partials over channel tiles,
+// (segment, sequence) items and store rows, each a fixed-order reduction (bitwise deterministic), then
+// the library products dx += dP . [W_delta; W_B; W_C] and dW = dP^T . x (one product per weight, so
+// that every output is a product's own result). dP (batch, L, D + 2N): columns [0, D) hold dz, the
+// last 2N are filled here from bc_part (batch * L, tiles, 2N); dA_part (rows, D, N); dDdb_part
+// (2, rows', D): the sums of dy * x and of dz. Returns (dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD,
+// dh0).
+inline std::vector<at::Tensor> finish_backward(const at::Tensor& x, const at::Tensor& W, const at::Tensor& A_log,
+                                               at::Tensor& dP, at::Tensor& dx, const at::Tensor& bc_part,
+                                               const at::Tensor& dA_part, const at::Tensor& dDdb_part,
+                                               const at::Tensor& dh0, int64_t batch, int64_t L, int64_t Dm,
+                                               int64_t N) {
+  const int64_t BL = batch * L, P = Dm + 2 * N;
+  dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
+  // dA_log = dA * A, A = -exp(A_log), clamped to -FLT_MAX as in the kernels (decay_rate): past
+  // A_log ~ 88.7 the decay is 0, dA is 0, and 0 * -inf would be NaN.
+  at::Tensor dA_log = dA_part.sum(0).mul_(A_log.exp().neg_().clamp_min_(-std::numeric_limits<float>::max()));
+  at::Tensor dD = dDdb_part[0].sum(0);
+  at::Tensor db = dDdb_part[1].sum(0);
+  const at::Tensor dP2 = dP.view({BL, P});
+  dx.view({BL, Dm}).addmm_(dP2, W);  // dx = dx_scan + dP . W
+  const at::Tensor x2 = x.view({BL, Dm});
+  at::Tensor dW_delta = at::mm(dP2.narrow(1, 0, Dm).t(), x2);   // dz^T . x
+  at::Tensor dW_B = at::mm(dP2.narrow(1, Dm, N).t(), x2);       // dB^T . x
+  at::Tensor dW_C = at::mm(dP2.narrow(1, Dm + N, N).t(), x2);   // dC^T . x
+  return {dx, dA_log, dW_delta, db, dW_B, dW_C, dD, dh0};
 }
 
 }  // namespace

@@ -144,15 +144,8 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
                                     const at::Tensor& ckpt_in, int64_t l_segments) {
   auto [batch, L, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0);
   check_scan_envelope(Dm, N);
-  check_tensor(dy_in, "dy (the gradient of y)", x_in, x_in.sizes(), c10::nullopt);
-  TORCH_CHECK(dy_in.is_floating_point(), "selscan_fused: dy (the gradient of y) must be floating-point, got ",
-              dy_in.scalar_type());
-  if (dhT) {
-    check_tensor(*dhT, "dhT (the gradient of the final state)", x_in, {batch, Dm, N}, c10::nullopt);
-    TORCH_CHECK(dhT->is_floating_point(), "selscan_fused: dhT must be floating-point, got ", dhT->scalar_type());
-  }
+  check_backward_args(x_in, dy_in, dhT, ckpt_in, batch, L, Dm, N);
   if (proj_in) check_tensor(*proj_in, "proj", x_in, {batch, L, Dm + 2 * N}, x_in.scalar_type());
-  check_tensor(ckpt_in, "ckpt (the forward's checkpoints)", x_in, {batch, ckpt_count(L), Dm, N}, at::kFloat);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto fopt = x_in.options().dtype(at::kFloat);
@@ -200,19 +193,7 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(scan_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the backward scan launch");
 
-  // The sums over channel tiles, (sequence, segment) items and store rows: fixed-order reductions.
-  dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
-  // dA_log = dA * A, A = -exp(A_log), clamped to -FLT_MAX as in the kernels (decay_rate): past
-  // A_log ~ 88.7 the decay is 0, dA is 0, and 0 * -inf would be NaN.
-  at::Tensor dA_log = dA_part.sum(0).mul_(A_c.exp().neg_().clamp_min_(-std::numeric_limits<float>::max()));
-  at::Tensor dD = dDdb_part[0].sum(0);
-  at::Tensor db = dDdb_part[1].sum(0);
-  const at::Tensor dP2 = dP.view({BL, P});
-  dx.view({BL, Dm}).addmm_(dP2, W);                   // dx = dx_scan + dP . W
-  const at::Tensor x2 = x.view({BL, Dm});
-  at::Tensor dW_delta = at::mm(dP2.narrow(1, 0, Dm).t(), x2);     // dz^T . x
-  const at::Tensor dW_bc = at::mm(dP2.narrow(1, Dm, 2 * N).t(), x2);  // [dB | dC]^T . x
-  return {dx, dA_log, dW_delta, db, dW_bc.narrow(0, 0, N).clone(), dW_bc.narrow(0, N, N).clone(), dD, dh0};
+  return finish_backward(x, W, A_c, dP, dx, bc_part, dA_part, dDdb_part, dh0, batch, L, Dm, N);
 }
 
 // [n_segments, seg_len] the scan kernel would use for x's shape (for tests and benchmarks).

@@ -11,7 +11,10 @@ namespace fused {
 
 using namespace cute;
 
-template <class ElementIn_, int kN_, bool k3xTF32_, int kCh_ = 2, int kDt_ = 64>
+// kTM_: tokens per tensor-core tile, 0 for the forward's rule below (the backward takes 64: one scan
+// chunk per tile). kReserve_: shared-memory bytes the kernel keeps for itself beside the members of
+// SharedStorage (the backward's dy tiles, sub-chunk states and dB/dC sums), taken from the ring.
+template <class ElementIn_, int kN_, bool k3xTF32_, int kCh_ = 2, int kDt_ = 64, int kTM_ = 0, int kReserve_ = 0>
 struct Config {
   using ElementIn = ElementIn_;                                   // bfloat16_t, half_t or float
   static constexpr bool kTF32 = cute::is_same_v<ElementIn, float>;
@@ -27,7 +30,8 @@ struct Config {
   // bound by rounding its ring stages, which 128-token tiles halve per token for the weights); 64
   // where the accumulators or the ring would not fit (N = 64; float32 N = 32; float32 "highest",
   // whose 3xTF32 products keep a second accumulator).
-  static constexpr int kTM = (kN >= 64 || k3x || (kTF32 && kN >= 32)) ? 64 : 128;
+  static constexpr int kTM = kTM_ != 0 ? kTM_ : ((kN >= 64 || k3x || (kTF32 && kN >= 32)) ? 64 : 128);
+  static_assert(kTM == 64 || kTM == 128, "tensor-core tiles of 64 or 128 tokens");
   static constexpr int kHalves = kTM / kT;               // scan tiles per tensor-core tile
   // Channels per CTA: 64, or 16 (the narrow layout, bf16/fp16 with N = 16: four times the streams, so
   // that few long sequences fill the GPU without an L split and its second pass over the exponentials;
@@ -55,7 +59,7 @@ struct Config {
   static constexpr int kStageBytes = int(kRingBytes) * (k3x ? 2 : 1);  // with the remainder ring
   static constexpr int kOtherBytes = kXStages * kT * kDt * int(sizeof(TmaElement)) +
                                      kPStages * kT * (kLdDt + 2 * kLdN) * 4 + 4096;
-  static constexpr int kStagesFit = (227 * 1024 - kOtherBytes) / kStageBytes;
+  static constexpr int kStagesFit = (227 * 1024 - kOtherBytes - kReserve_) / kStageBytes;
   static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
   static_assert(kStages >= 2, "shared memory too small for a 2-deep ring");
   // float32: warps 1-3 of the producer warpgroup prepare each ring stage for the tensor cores, off
