@@ -9,6 +9,7 @@ too (a tool can change timing, never results).
     python scripts/sanitize_cases.py --quick --shard 2/6   # the third of the six parts of that (a slow tool
                                                            # run in parts: K/M runs the runs with index % M == K)
     python scripts/sanitize_cases.py --initcheck            # what initcheck runs (below)
+    python scripts/sanitize_cases.py --with fused_backward  # only the grid entries whose config sets a key
 
 --initcheck: compute-sanitizer's initcheck does not see the writes of cuBLAS's kernels (a clone of an
 F.linear output is reported as a read of uninitialized memory), so every read of the projections
@@ -16,7 +17,8 @@ that the ops compute with cuBLAS would be reported. This mode drives the kernels
 take their inputs from the caller: the projections formed by elementwise products and a sum (no
 cuBLAS), the scan kernel on them (`scan_fwd`), the fused kernel (`fused_fwd_res`: it reads only the
 caller's tensors) for the checkpoints and its own forward, and the backward kernel (`unfused_bwd`) on
-those projections and checkpoints. sanitize.sh instruments every kernel under initcheck (a kernel
+those projections and checkpoints (and, in the grid's fused-backward cases, the fused backward kernel
+through `fused_bwd`). sanitize.sh instruments every kernel under initcheck (a kernel
 left out of the instrumentation is not seen writing either). What is left to cuBLAS: the backward op's
 own dx and dW products, so that in bfloat16 and float16 the op's copy of dW_B and dW_C and the
 finiteness check of the gradients are reported as reads of uninitialized memory (docs/reliability.md,
@@ -46,6 +48,9 @@ GRID = [
     (2, 600, 128, 16, {"l_segments": 3}),         # a forced L split
     (1, 300, 64, 16, {"channel_tile": 16}),       # fused: the narrow layout (bf16/fp16, N = 16)
     (1, 300, 64, 16, {"channel_tile": 64}),       # fused: the wide layout
+    (1, 2049, 64, 16, {"fused_backward": "kernel"}),                   # fused backward kernel, its L split
+    (2, 600, 128, 16, {"l_segments": 3, "fused_backward": "kernel"}),  # ... forced split
+    (3, 130, 64, 16, {"fused_backward": "kernel"}),                    # ... no split
 ]
 
 
@@ -54,6 +59,8 @@ def _runs(args, impls):
     k, m = (int(v) for v in args.shard.split("/"))
     index = -1
     for gi, (batch, L, Dm, N, cfg) in enumerate(GRID):
+        if args.with_key and args.with_key not in cfg:
+            continue
         for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
             if args.quick and (gi + mi) % 3:
                 continue
@@ -62,6 +69,8 @@ def _runs(args, impls):
                     continue
                 if cfg.get("channel_tile") == 16 and dt == torch.float32:
                     continue
+                if "fused_backward" in cfg and (impl == "unfused" or dt == torch.float32):
+                    continue  # the fused backward kernel: impl='fused', bfloat16/float16 (N = 16)
                 index += 1
                 if index % m == k:
                     yield impl, mode, dt, prec, batch, L, Dm, N, cfg, 1000 * gi + 10 * mi, bool(gi % 2)
@@ -95,8 +104,12 @@ def _ops_without_cublas(inp, cfg):
         y_scan, h = ops.scan_fwd(proj, x, inp["A_log"], inp["b_delta"], inp["D"], h0, True, seg)
         y_fused, _, ckpt = ops.fused_fwd_res(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"],
                                              inp["W_C"], inp["D"], h0, seg, False, 0, tile)
+        dy, dhT = torch.randn_like(y_scan), torch.randn_like(h)
         grads = ops.unfused_bwd(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"],
-                                h0, torch.randn_like(y_scan), torch.randn_like(h), proj, ckpt, seg)
+                                h0, dy, dhT, proj, ckpt, seg)
+        if cfg.get("fused_backward") == "kernel":  # the fused backward kernel (it reads the caller's tensors)
+            grads = grads + ops.fused_bwd(x, inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"],
+                                          inp["D"], h0, dy, dhT, ckpt, seg, 1)
     return [y_scan, y_fused], all(bool(torch.isfinite(g).all()) for g in grads)
 
 
@@ -105,6 +118,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
     ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
+    ap.add_argument("--with", dest="with_key", default="",
+                    help="only the grid entries whose config sets this key (e.g. fused_backward)")
     args = ap.parse_args()
     hopper = selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)
     if args.initcheck and not hopper:

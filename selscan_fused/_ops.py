@@ -3,9 +3,12 @@ fake (meta) implementations, so that torch.compile traces them without running t
 registrations.
 
 Training goes through the ops with residuals: `unfused_fwd_res` (y, final state, proj, checkpoints)
-and `fused_fwd_res` (y, final state, checkpoints); their backward is one call of `unfused_bwd` (the
-backward scan kernel and the library products; for the fused path it recomputes proj first). The
-plain forward ops are differentiable too: their backward reruns the forward with residuals first.
+and `fused_fwd_res` (y, final state, checkpoints). The unfused path's backward is one call of
+`unfused_bwd` (the backward scan kernel and the library products); the fused path's is one call of
+`fused_bwd` (the fused backward kernel, which recomputes the projections on the tensor cores, and the
+library products; where that kernel does not exist it recomputes proj with one product and runs
+`unfused_bwd`'s kernel). The plain forward ops are differentiable too: their backward reruns the
+forward with residuals first.
 """
 from __future__ import annotations
 
@@ -35,14 +38,19 @@ def _fake_ckpt(x: torch.Tensor, A_log: torch.Tensor):
     return x.new_empty((batch, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm, A_log.shape[1]), dtype=torch.float32)
 
 
-def _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT):
-    """Gradients of (x, A_log, W_delta, b_delta, W_B, W_C, D, h0) through one unfused_bwd call."""
+def _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT, bwd_mode=0):
+    """Gradients of (x, A_log, W_delta, b_delta, W_B, W_C, D, h0) through one backward op call."""
     if dy is None:
         dy = torch.zeros_like(x)
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    g = torch.ops.selscan_fused.unfused_bwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, proj, ckpt,
-                                            l_segments)
+    if proj is None and fused_extension_available():
+        # The fused path: its backward kernel where it exists, else the recomputation (fused_bwd decides).
+        g = torch.ops.selscan_fused.fused_bwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, ckpt,
+                                              l_segments, bwd_mode)
+    else:
+        g = torch.ops.selscan_fused.unfused_bwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, proj, ckpt,
+                                                l_segments)
     dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, dh0 = g
     return dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, (dh0 if h0 is not None else None)
 
@@ -52,8 +60,9 @@ def _setup_res(ctx, inputs, output):
     x, A_log, W_delta, b_delta, W_B, W_C, D, h0, l_segments = inputs[:9]
     if len(output) == 4:  # unfused: (y, final state, proj, ckpt)
         proj, ckpt = output[2], output[3]
-    else:  # fused: (y, final state, ckpt); the backward recomputes proj
+    else:  # fused: (y, final state, ckpt); the backward recomputes proj (bwd_mode: how, fused_bwd's mode)
         proj, ckpt = None, output[2]
+    ctx.bwd_mode = inputs[12] if len(output) == 3 and len(inputs) > 12 else 0
     ctx.save_for_backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt)
     ctx.l_segments = l_segments
     ctx.n_inputs = len(inputs)
@@ -62,14 +71,15 @@ def _setup_res(ctx, inputs, output):
 
 def _backward_res(ctx, dy, dhT, *unused):
     x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt = ctx.saved_tensors
-    grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, ctx.l_segments, dy, dhT)
+    grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, ctx.l_segments, dy, dhT,
+                      ctx.bwd_mode)
     return grads + (None,) * (ctx.n_inputs - 8)
 
 
 def _setup_plain(ctx, inputs, output):
     """unfused_fwd / fused_fwd: keep the inputs; the backward reruns the forward with residuals."""
     ctx.save_for_backward(*inputs[:8])
-    ctx.rest = inputs[8:]  # return_final_state, l_segments[, exp_poly, ring_stages, channel_tile]
+    ctx.rest = inputs[8:]  # return_final_state, l_segments[, exp_poly, ring_stages, channel_tile, bwd_mode]
     ctx.set_materialize_grads(False)
 
 
@@ -84,7 +94,8 @@ def _make_backward_plain(fused: bool):
         else:
             _, _, proj, ckpt = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D,
                                                                        h0, l_segments)
-        grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT)
+        bwd_mode = ctx.rest[5] if fused and len(ctx.rest) > 5 else 0
+        grads = _backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, proj, ckpt, l_segments, dy, dhT, bwd_mode)
         return grads + (None,) * len(ctx.rest)
     return backward
 
@@ -132,14 +143,19 @@ if fused_extension_available():
 
     @torch.library.register_fake("selscan_fused::fused_fwd")
     def _fused_fwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,
-                        exp_poly=False, ring_stages=0, channel_tile=0):
+                        exp_poly=False, ring_stages=0, channel_tile=0, bwd_mode=0):
         return _fake_outputs(x, A_log, return_final_state)
 
     @torch.library.register_fake("selscan_fused::fused_fwd_res")
     def _fused_fwd_res_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, l_segments, exp_poly=False,
-                            ring_stages=0, channel_tile=0):
+                            ring_stages=0, channel_tile=0, bwd_mode=0):
         y, h = _fake_outputs(x, A_log, True)
         return y, h, _fake_ckpt(x, A_log)
+
+    @torch.library.register_fake("selscan_fused::fused_bwd")
+    def _fused_bwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, ckpt, l_segments, mode=0,
+                        threads_per_channel=0):
+        return _unfused_bwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy, dhT, None, ckpt, l_segments)
 
     torch.library.register_autograd("selscan_fused::fused_fwd_res", _backward_res, setup_context=_setup_res)
     torch.library.register_autograd("selscan_fused::fused_fwd", _make_backward_plain(True),

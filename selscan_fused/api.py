@@ -34,6 +34,9 @@ def _sm90(device: torch.device) -> bool:
     return _is_sm90[idx]
 
 
+# ScanConfig.fused_backward -> the fused ops' bwd_mode (fused_bwd's mode).
+FUSED_BACKWARD_MODES = {"auto": 0, "kernel": 1, "recompute": 2}
+
 @dataclasses.dataclass(frozen=True)
 class ScanConfig:
     """Ablation switches (0 means: chosen by the library's measured defaults).
@@ -62,12 +65,20 @@ class ScanConfig:
         model of the busiest CTA's scan and operand loads (csrc/fused/fused_api.cu, fused_plan): the
         narrow layout for S1-like shapes (few sequences, D up to ~512) and S5, 64 elsewhere
         (docs/perf-notes.md, v3.7, which lists the shapes it was checked on).
+    fused_backward: impl='fused' only: the backward of a training step. "kernel": the fused backward
+        kernel (bfloat16/float16 with N = 16; otherwise an error in the backward), which recomputes
+        the projections on the tensor cores inside the launch and needs 35-40% less memory than the
+        recomputation; "recompute": one library product recomputes the projections, then the
+        standalone backward scan kernel runs (every dtype and N); "auto" (default): the kernel where it
+        measured faster (its plan splits L into 2 to 8 segments: S1-like shapes), the recomputation
+        elsewhere (docs/perf-notes.md, "Fused backward v1").
     """
 
     l_segments: int = 0
     exp_poly: bool = False
     ring_stages: int = 0
     channel_tile: int = 0
+    fused_backward: str = "auto"
 
     def __post_init__(self):
         for name in ("l_segments", "ring_stages", "channel_tile"):
@@ -79,6 +90,9 @@ class ScanConfig:
                              "(0 = all that fit)")
         if not isinstance(self.exp_poly, bool):
             raise ValueError(f"selscan_fused: ScanConfig(exp_poly={self.exp_poly!r}) must be a bool")
+        if self.fused_backward not in FUSED_BACKWARD_MODES:
+            raise ValueError(f"selscan_fused: ScanConfig(fused_backward={self.fused_backward!r}) must be one of "
+                             f"{', '.join(map(repr, FUSED_BACKWARD_MODES))}")
         if self.channel_tile not in (0, 16, 64):
             raise ValueError(f"selscan_fused: ScanConfig(channel_tile={self.channel_tile!r}) must be 0 "
                              "(automatic), 16 or 64")
@@ -306,10 +320,12 @@ def selective_scan(
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
-    if cfg is not DEFAULT_CONFIG and chosen != "fused" and (cfg.exp_poly or cfg.ring_stages or cfg.channel_tile):
+    if cfg is not DEFAULT_CONFIG and chosen != "fused" and (cfg.exp_poly or cfg.ring_stages or cfg.channel_tile
+                                                             or cfg.fused_backward != "auto"):
         fused_only = (["exp_poly=True"] if cfg.exp_poly else []) + \
                      ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
-                     ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else [])
+                     ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
+                     ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
         raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
                          f"this call runs impl={chosen!r}")
     require_extension(chosen)
@@ -322,7 +338,7 @@ def selective_scan(
         if chosen == "fused":
             y, h, _ = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                             cfg.l_segments, cfg.exp_poly, cfg.ring_stages,
-                                                            cfg.channel_tile)
+                                                            cfg.channel_tile, FUSED_BACKWARD_MODES[cfg.fused_backward])
         else:
             y, h, _, _ = torch.ops.selscan_fused.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
                                                                  cfg.l_segments)
@@ -346,6 +362,7 @@ def _forward_op(chosen, x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_fina
         if cfg is DEFAULT_CONFIG:  # the schema's defaults for the rest (each argument passed costs a conversion)
             return torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, 0)
         return torch.ops.selscan_fused.fused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state,
-                                                 cfg.l_segments, cfg.exp_poly, cfg.ring_stages, cfg.channel_tile)
+                                                 cfg.l_segments, cfg.exp_poly, cfg.ring_stages, cfg.channel_tile,
+                                                 FUSED_BACKWARD_MODES[cfg.fused_backward])
     return torch.ops.selscan_fused.unfused_fwd(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state,
                                                cfg.l_segments)

@@ -118,4 +118,39 @@ cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+bool fused_bwd_supported(DType dtype, int64_t dstate) {
+  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && dstate == 16;
+}
+
+cudaError_t fused_bwd_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out) {
+  int sms = 0;
+  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
+  const int64_t streams = std::max<int64_t>(p.batch, 1) * (p.dim / kFusedChannelTile);
+  const int64_t tile = kCkptEvery;  // a segment is whole tiles of one checkpoint interval
+  const int64_t max_segments = (seqlen + tile - 1) / tile;
+  int64_t n = 1;
+  if (requested_segments > 0) {
+    n = requested_segments;
+  } else if (streams < sms) {
+    n = std::max<int64_t>(1, sms / streams);
+    n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / kFusedBwdMinSegment));
+  }
+  split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), tile, &out->n_segments, &out->seg_len);
+  out->channel_tile = kFusedChannelTile;
+  return cudaSuccess;
+}
+
+cudaError_t fused_bwd_launch(const FusedParams& p, const ScanBwdParams& q, int threads_per_channel,
+                             cudaStream_t stream) {
+  if (!fused_bwd_supported(p.dtype, p.dstate) || !fused_bwd_layout_ok(threads_per_channel) || p.n_segments < 1 ||
+      p.seg_len % kCkptEvery != 0 || (p.n_segments > 1 && q.workspace == nullptr))
+    return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kBFloat16: return fused::launch_bwd_dtype<::cute::bfloat16_t>(p, q, threads_per_channel, stream);
+    case DType::kFloat16: return fused::launch_bwd_dtype<::cute::half_t>(p, q, threads_per_channel, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace selscan

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "fused_params.h"
+#include "../scan/scan_bwd_params.h"
 
 namespace selscan {
 
@@ -58,5 +59,35 @@ void fused_set_descriptor_cache(bool enable);
 // Launches on `stream` (p.n_segments/seg_len from fused_plan, p.workspace sized by
 // split_workspace_floats). Returns the first CUDA error met.
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);
+
+// ---- The fused backward (csrc/fused/fused_bwd_kernel.cuh).
+
+// Whether the fused backward kernel exists for this dtype / N (bf16/fp16 with N = 16); elsewhere the
+// fused path's backward recomputes the projections with one library product and runs the standalone
+// backward scan kernel.
+bool fused_bwd_supported(DType dtype, int64_t dstate);
+
+// Scan threads per channel of the fused backward: 4 (N/4 states each, two scan warpgroups) or 8 (N/8
+// states each, four scan warpgroups); the default, chosen by measurement (docs/perf-notes.md, "Fused
+// backward v1"). The dD / db_delta partials have threads_per_channel / 2 rows per (segment, sequence).
+constexpr int kFusedBwdThreadsPerChannel = 4;
+inline bool fused_bwd_layout_ok(int64_t threads_per_channel) {
+  return threads_per_channel == 4 || threads_per_channel == 8;
+}
+
+// L split of the fused backward (requested_segments <= 0: automatic): streams of 64 channels; where
+// they are fewer than the SMs, L is cut so that they come close to one per SM, segments of at least
+// kFusedBwdMinSegment tokens.
+constexpr int64_t kFusedBwdMinSegment = 256;
+// fused_bwd's automatic mode takes the kernel where its plan splits L into 2 .. this many segments
+// (measured faster there; docs/perf-notes.md, "Fused backward v1").
+constexpr int64_t kFusedBwdAutoMaxSegments = 8;
+cudaError_t fused_bwd_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
+
+// Launches the fused backward on `stream`: p as for the forward (sizes, x, weights, per-channel
+// parameters, n_segments / seg_len from fused_bwd_plan), q its dy, dhT, checkpoints, outputs and
+// workspace (split_workspace_floats). Returns the first CUDA error met.
+cudaError_t fused_bwd_launch(const FusedParams& p, const ScanBwdParams& q, int threads_per_channel,
+                             cudaStream_t stream);
 
 }  // namespace selscan

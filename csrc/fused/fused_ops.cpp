@@ -3,6 +3,7 @@
 // runs, current stream, device guard, no host synchronisation.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "../op_checks.h"
 #include "fused_api.h"
@@ -37,6 +39,13 @@ void check_channel_tile(const FusedParams& p, int64_t channel_tile, at::ScalarTy
   TORCH_CHECK(channel_tile != 16 || fused_has_narrow_layout(p.dtype, p.dstate),
               "selscan_fused: ScanConfig(channel_tile=16) exists for bfloat16/float16 with N = 16 only (got ",
               dtype, ", N = ", p.dstate, "); use 0 or 64");
+}
+
+// The fused forward ops' bwd_mode (ScanConfig.fused_backward): which backward their autograd formula
+// runs, passed on to fused_bwd's mode; the forward itself does not read it.
+void check_bwd_mode(int64_t bwd_mode) {
+  TORCH_CHECK(bwd_mode >= 0 && bwd_mode <= 2, "selscan_fused: bwd_mode = ", bwd_mode,
+              " must be 0 (automatic), 1 (the fused backward kernel) or 2 (recompute the projections)");
 }
 
 FusedParams make_params(const at::Tensor& x, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
@@ -121,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x, const at::Tens
                                              const at::Tensor& b_delta, const at::Tensor& W_B, const at::Tensor& W_C,
                                              const at::Tensor& D, const c10::optional<at::Tensor>& h0,
                                              bool return_final_state, int64_t l_segments, bool exp_poly,
-                                             int64_t ring_stages, int64_t channel_tile) {
+                                             int64_t ring_stages, int64_t channel_tile, int64_t bwd_mode) {
+  check_bwd_mode(bwd_mode);
   auto [y, hT, ckpt] = run_fused(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,
                                  exp_poly, ring_stages, channel_tile, false);
   return {y, hT};
@@ -132,7 +142,8 @@ std::tuple<at::Tensor, at::Tensor> fused_fwd(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_res(
     const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
     const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
-    int64_t l_segments, bool exp_poly, int64_t ring_stages, int64_t channel_tile) {
+    int64_t l_segments, bool exp_poly, int64_t ring_stages, int64_t channel_tile, int64_t bwd_mode) {
+  check_bwd_mode(bwd_mode);
   return run_fused(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, true, l_segments, exp_poly, ring_stages,
                    channel_tile, true);
 }
@@ -149,6 +160,121 @@ std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t 
   return {plan.n_segments, plan.seg_len, plan.channel_tile};
 }
 
+// ---- The backward of the fused path.
+
+// Whether fused_bwd takes the fused backward kernel for this call (mode: 0 automatic, 1 the kernel,
+// 2 the recomputation); threads_per_channel: 0 (the default layout), 4 or 8.
+bool fused_bwd_takes_kernel(const at::Tensor& x, int64_t batch, int64_t L, int64_t Dm, int64_t N, int64_t mode,
+                            int64_t threads_per_channel) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "selscan_fused: fused_bwd's mode = ", mode,
+              " must be 0 (automatic), 1 (the fused backward kernel) or 2 (recompute the projections)");
+  TORCH_CHECK(threads_per_channel == 0 || fused_bwd_layout_ok(threads_per_channel),
+              "selscan_fused: fused_bwd's threads_per_channel = ", threads_per_channel, " must be 0 (the default), 4 or 8");
+  const bool supported = fused_available(x.get_device()) && fused_bwd_supported(to_dtype(x.scalar_type(), "x"), N) &&
+                         Dm % kFusedChannelTile == 0 && Dm >= kFusedChannelTile && Dm <= kFusedMaxDim &&
+                         L <= INT32_MAX && batch <= INT32_MAX;
+  TORCH_CHECK(mode != 1 || supported, "selscan_fused: the fused backward kernel takes bfloat16/float16 with N = 16 "
+              "and D a multiple of ", kFusedChannelTile, " up to ", kFusedMaxDim, " on an sm_90 GPU (got ",
+              x.scalar_type(), ", N = ", N, ", D = ", Dm, "); use mode = 0 or 2");
+  if (!supported || mode == 2 || batch == 0 || L == 0) return false;
+  if (mode == 1) return true;
+  // Automatic: the kernel where it measured faster than the recomputation (docs/perf-notes.md, "Fused
+  // backward v1": S1, whose plan splits L in 4, 1.18x; S2 and S3, no split, 0.89x and 0.88x; S4, 32
+  // segments, 0.94x): an L split of 2 .. kFusedBwdAutoMaxSegments segments.
+  FusedParams p = make_params(x, batch, L, Dm, N);
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_bwd_plan(p, 0, x.get_device(), &plan), "planning the fused backward");
+  return plan.n_segments >= 2 && plan.n_segments <= kFusedBwdAutoMaxSegments;
+}
+
+// The fused path's backward. Where the fused backward kernel exists (fused_bwd_supported), one launch
+// recomputes the projections on the tensor cores and runs the reverse scan (csrc/fused/
+// fused_bwd_kernel.cuh); elsewhere (and with mode = 2) the projections are recomputed by one library
+// product and the standalone backward scan kernel runs (selscan_fused::unfused_bwd without proj).
+// Returns (dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD, dh0), as unfused_bwd.
+std::vector<at::Tensor> fused_bwd(const at::Tensor& x_in, const at::Tensor& A_log, const at::Tensor& W_delta,
+                                  const at::Tensor& b_delta, const at::Tensor& W_B, const at::Tensor& W_C,
+                                  const at::Tensor& D, const c10::optional<at::Tensor>& h0, const at::Tensor& dy_in,
+                                  const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt_in, int64_t l_segments,
+                                  int64_t mode, int64_t threads_per_channel) {
+  auto [batch, L, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0);
+  check_backward_args(x_in, dy_in, dhT, ckpt_in, batch, L, Dm, N);
+  if (!fused_bwd_takes_kernel(x_in, batch, L, Dm, N, mode, threads_per_channel)) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("selscan_fused::unfused_bwd", "")
+                         .typed<std::vector<at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                             const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                             const at::Tensor&, int64_t)>();
+    return op.call(x_in, A_log, W_delta, b_delta, W_B, W_C, D, h0, dy_in, dhT, c10::nullopt, ckpt_in, l_segments);
+  }
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto fopt = x_in.options().dtype(at::kFloat);
+  const at::Tensor x = aligned_contiguous(x_in);
+  const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
+  const at::Tensor Wd = aligned_contiguous(W_delta), Wb = aligned_contiguous(W_B), Wc = aligned_contiguous(W_C);
+  const at::Tensor ckpt = ckpt_in.contiguous();
+  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
+  at::Tensor dhT_c;
+  if (dhT) dhT_c = dhT->to(at::kFloat).contiguous();
+  const int64_t BL = batch * L, P = Dm + 2 * N;
+
+  FusedParams p = make_params(x, batch, L, Dm, N);
+  p.x = x.data_ptr(); p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the fused backward");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
+  const int64_t n_tiles = Dm / kFusedChannelTile;
+  const int64_t rows = plan.n_segments * batch;
+  const int tpc = int(threads_per_channel != 0 ? threads_per_channel : kFusedBwdThreadsPerChannel);
+
+  at::Tensor dP = at::empty({batch, L, P}, x.options());
+  at::Tensor dx = at::empty({batch, L, Dm}, x.options());
+  at::Tensor bc_part = at::empty({BL, n_tiles, 2 * N}, fopt);
+  at::Tensor dA_part = at::empty({rows, Dm, N}, fopt);
+  at::Tensor dDdb_part = at::empty({2, rows * (tpc / 2), Dm}, fopt);
+  at::Tensor dh0 = at::empty({batch, Dm, N}, fopt);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
+  at::Tensor ws;
+  if (ws_floats > 0) ws = at::empty({ws_floats}, fopt);
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    for (at::Tensor* t : {&dP, &dx, &bc_part, &dA_part, &dDdb_part, &dh0}) t->fill_(NAN);
+  }
+  ScanBwdParams q;
+  q.batch = batch; q.seqlen = L; q.dim = Dm; q.dstate = N; q.dtype = p.dtype;
+  q.x = x.data_ptr(); q.dy = dy.data_ptr();
+  q.A_log = p.A_log; q.b_delta = p.b_delta; q.D = p.D;
+  q.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
+  q.ckpt = ckpt.data_ptr<float>();
+  q.dP = dP.data_ptr(); q.dx = dx.data_ptr();
+  q.bc_partial = bc_part.data_ptr<float>(); q.dA_partial = dA_part.data_ptr<float>();
+  q.dD_partial = dDdb_part[0].data_ptr<float>(); q.db_partial = dDdb_part[1].data_ptr<float>();
+  q.dh0 = dh0.data_ptr<float>();
+  q.n_segments = p.n_segments; q.seg_len = p.seg_len;
+  q.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_bwd_launch(p, q, tpc, c10::cuda::getCurrentCUDAStream().stream()),
+                  "the fused backward launch");
+  const at::Tensor W = at::cat({Wd, Wb, Wc}, 0);  // (D + 2N, D)
+  return finish_backward(x, W, A_c, dP, dx, bc_part, dA_part, dDdb_part, dh0, batch, L, Dm, N);
+}
+
+// [takes the fused backward kernel (1) or the recomputation (0), n_segments, seg_len, threads per
+// channel] for x's shape.
+std::vector<int64_t> fused_bwd_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments, int64_t mode,
+                                       int64_t threads_per_channel) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "selscan_fused: fused_bwd_plan needs a CUDA x of shape (batch, L, D)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (!fused_bwd_takes_kernel(x, x.size(0), x.size(1), x.size(2), dstate, mode, threads_per_channel)) return {0, 0, 0, 0};
+  FusedParams p = make_params(x, x.size(0), x.size(1), x.size(2), dstate);
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the fused backward");
+  return {1, plan.n_segments, plan.seg_len,
+          threads_per_channel != 0 ? threads_per_channel : int64_t(kFusedBwdThreadsPerChannel)};
+}
+
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
 void fused_set_descriptor_cache_op(bool enable) { fused_set_descriptor_cache(enable); }
 
@@ -158,11 +284,17 @@ void fused_set_descriptor_cache_op(bool enable) { fused_set_descriptor_cache(ena
 TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   m.def("fused_fwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False, "
-        "int ring_stages=0, int channel_tile=0) -> (Tensor, Tensor)");
+        "int ring_stages=0, int channel_tile=0, int bwd_mode=0) -> (Tensor, Tensor)");
   m.def("fused_plan(Tensor x, int dstate, int l_segments, int channel_tile=0) -> int[]");
   m.def("fused_fwd_res(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
-        "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0, "
+        "int bwd_mode=0) -> (Tensor, Tensor, Tensor)");
+  // The fused path's backward (mode: 0 automatic, 1 the fused backward kernel, 2 the recomputation;
+  // threads_per_channel: the kernel's scan layout, 0 = the default, 4 or 8).
+  m.def("fused_bwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, Tensor D, "
+        "Tensor? h0, Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments, int mode=0, int threads_per_channel=0) "
+        "-> Tensor[]");
+  m.def("fused_bwd_plan(Tensor x, int dstate, int l_segments, int mode=0, int threads_per_channel=0) -> int[]");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
   // Test and benchmark hook: off, every call encodes all its TMA descriptors (fused_api.h).
   m.def("fused_set_descriptor_cache(bool enable) -> ()", &selscan::fused_set_descriptor_cache_op);
@@ -170,12 +302,16 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_bwd", &selscan::fused_bwd);
+  m.impl("fused_bwd_plan", &selscan::fused_bwd_plan_op);
   m.impl("fused_fwd_res", &selscan::fused_fwd_res);
   m.impl("fused_plan", &selscan::fused_plan_op);
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("fused_fwd", &selscan::fused_fwd);
+  m.impl("fused_bwd", &selscan::fused_bwd);
+  m.impl("fused_bwd_plan", &selscan::fused_bwd_plan_op);
   m.impl("fused_fwd_res", &selscan::fused_fwd_res);
   m.impl("fused_plan", &selscan::fused_plan_op);
 }
