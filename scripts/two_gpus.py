@@ -186,10 +186,7 @@ def run_ddp(args) -> bool:
                   f"{single_losses[0]:.4f} -> {single_losses[-1]:.4f} on the whole batch)", flush=True)
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.broadcast(flag, 0)
-    # Every rank past its last collective before any tears the group down: a rank leaving first closed
-    # its gloo connections under the other's background thread, which aborted the process ("terminate
-    # called without an active exception", seen once in a CPU run after both checks had passed).
-    dist.barrier()
+    dist.barrier()  # every rank past its last collective before any tears the group down
     dist.destroy_process_group()
     return bool(flag.item())
 
