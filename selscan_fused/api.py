@@ -235,25 +235,65 @@ def _tf32_allowed() -> bool:
     return torch._C._get_cublas_allow_tf32()
 
 
-def resolve_impl(impl: str, x: torch.Tensor, d_state: int) -> str:
-    """The path selective_scan() takes for these inputs: 'auto' becomes the fastest that supports them."""
+def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, training: bool) -> str:
+    """impl='auto' where both CUDA paths support the inputs: 'fused' or 'unfused', whichever measured
+    faster on the H200 for this dtype and shape (docs/perf-notes.md, "Which path impl='auto' takes";
+    tests/test_auto_rule.py checks it against every row of the committed tables docs/ablation_table.csv
+    and docs/paper_figure.csv). A rule by regions, each drawn around measured rows:
+
+    bfloat16/float16, the forward: the fused kernel (1.2-2x faster on S1-S5), except
+      - D >= 2048 with at most 2048 tokens (batch x L): the unfused path's cuBLAS products lead there
+        (7-8% at (1, 2048, 2048) and (2, 1024, 2048), at every L split the fused plan can take);
+      - one stream group of 16 channel tiles (batch x D = 1024, the wide layout) with 2048 <= L < 4096:
+        the fused plan's 512-token floor per segment leaves half the SMs idle (1.32x slower at
+        (1, 2048, 1024); the plan's floor is what should change, docs/perf-notes.md, batch-1 regime).
+    bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward,
+      and the unfused path for one stream group of 16 channel tiles (batch x D = 1024, D >= 1024) from
+      L = 1024 on: there the fused path's forward plus backward measured 1-16% slower (shape P, L 1K to
+      512K; at L = 512 it is 10% faster).
+    float32, matmul precision "highest" (no TF32): the fused kernel (3xTF32) only from
+      FUSED_FP32_MIN_TOKENS tokens on, and only where D <= 256, or D <= 1024 with at least 128 channel
+      tiles (batch x D / 64) so that no L split is needed (S1, S2, S4: 4-9% faster); elsewhere the
+      unfused path (S3 8%, batch <= 4 at D 1024-2048 1.6-2.6x, S5 1.8x faster).
+    float32 under "high"/"medium" (TF32): the unfused path (cuBLAS TF32 is 1.4-2x faster where the
+      products dominate), except the forward at D <= 256 from FUSED_FP32_MIN_TOKENS tokens on, where
+      the fused kernel leads by 0-6% (S1, S4); a training step there is 4-5% faster unfused.
+    """
+    tokens = batch * L
+    if dtype in (torch.bfloat16, torch.float16):
+        if D >= 2048 and tokens <= 2048:
+            return "unfused"
+        if D >= 1024 and batch * D <= 1024 and 2048 <= L < 4096:
+            return "unfused"
+        if training and D >= 1024 and batch * D <= 1024 and L >= 1024:
+            return "unfused"
+        return "fused"
+    if dtype == torch.float32 and tokens >= FUSED_FP32_MIN_TOKENS:
+        if not tf32 and (D <= 256 or (D <= 1024 and batch * D >= 128 * 64)):
+            return "fused"
+        if tf32 and D <= 256 and not training:
+            return "fused"
+    return "unfused"
+
+
+def resolve_impl(impl: str, x: torch.Tensor, d_state: int, training: bool = False) -> str:
+    """The path selective_scan() takes for these inputs: 'auto' becomes the fastest that supports them
+    (auto_choice). training: whether a gradient will be asked for (selective_scan passes True when grad
+    mode is on and an input requires grad), since the fastest path of a training step can differ."""
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     if not x.is_cuda or x.dtype == torch.float64:
         return "reference"
-    # Measured on the H200 (docs/perf-notes.md, fused v2-v3.4): the fused kernel is as fast or faster
-    # than the unfused path for bfloat16/float16 on every named shape (S1-S5), and for float32 under
-    # "highest" from a few thousand tokens on. Under "high"/"medium" the unfused path (cuBLAS TF32) is
-    # 1.4-2x faster where the products dominate (S2, S3) and on tiny calls; the fused kernel is ahead
-    # only at D = 256 (S1 6%, S4 even), too narrow a margin for a shape rule.
-    if fused_extension_available() and unsupported_reason("fused", x, d_state) is None:
-        if x.dtype in (torch.bfloat16, torch.float16):
-            return "fused"
-        if not _tf32_allowed() and x.shape[0] * x.shape[1] >= FUSED_FP32_MIN_TOKENS:
-            return "fused"
-    if extension_available() and unsupported_reason("unfused", x, d_state) is None:
+    fused_ok = fused_extension_available() and unsupported_reason("fused", x, d_state) is None
+    unfused_ok = extension_available() and unsupported_reason("unfused", x, d_state) is None
+    if fused_ok and unfused_ok:
+        tf32 = x.dtype == torch.float32 and _tf32_allowed()
+        return auto_choice(x.dtype, x.shape[0], x.shape[1], x.shape[2], tf32=tf32, training=training)
+    if fused_ok:  # (no shape the fused kernel takes is refused by the unfused path today)
+        return "fused"
+    if unfused_ok:
         return "unfused"
     if not extension_available():
         require_extension("auto")  # a CUDA tensor but no extension: say why and how to rebuild
@@ -287,9 +327,10 @@ def selective_scan(
 
     impl: 'reference' (plain PyTorch, any device), 'unfused' (cuBLAS projections + this project's scan
     kernel), 'fused' (one CUTLASS/CuTe kernel launch, H100/H200), 'auto' (the fastest of these that
-    supports the inputs, by measurement: 'fused' on H100/H200 for bfloat16/float16 and for float32 under
-    matmul precision "highest" from FUSED_FP32_MIN_TOKENS tokens on, else 'unfused' on CUDA; the
-    reference on CPU or for float64). resolve_impl() tells which one 'auto' picks.
+    supports the inputs, by measurement on the H200: mostly 'fused' on H100/H200 for bfloat16/float16,
+    'unfused' for float32 under TF32 and for most float32 shapes under "highest", the rule by shape
+    in auto_choice(); a ScanConfig switch of the fused kernel makes it 'fused'; the reference on CPU or
+    for float64). resolve_impl() tells which one 'auto' picks.
     """
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
@@ -298,7 +339,18 @@ def selective_scan(
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
     N = A_log.shape[1]
-    chosen = resolve_impl(impl, x, N)
+    # Training: the ops that also return what the backward needs (the checkpoints, and the unfused
+    # path's projections); their autograd formula runs the backward kernel (selscan_fused/_ops.py).
+    train = torch.is_grad_enabled() and (
+        x.requires_grad or A_log.requires_grad or W_delta.requires_grad or b_delta.requires_grad
+        or W_B.requires_grad or W_C.requires_grad or D.requires_grad or (h0 is not None and h0.requires_grad))
+    fused_only = cfg is not DEFAULT_CONFIG and bool(cfg.exp_poly or cfg.ring_stages or cfg.channel_tile
+                                                    or cfg.fused_backward != "auto")
+    if impl == "auto" and fused_only and x.is_cuda and fused_extension_available() and \
+            unsupported_reason("fused", x, N) is None:
+        chosen = "fused"  # a switch of the fused kernel's asks for it
+    else:
+        chosen = resolve_impl(impl, x, N, train)
     if impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
@@ -320,20 +372,14 @@ def selective_scan(
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
-    if cfg is not DEFAULT_CONFIG and chosen != "fused" and (cfg.exp_poly or cfg.ring_stages or cfg.channel_tile
-                                                             or cfg.fused_backward != "auto"):
-        fused_only = (["exp_poly=True"] if cfg.exp_poly else []) + \
-                     ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
-                     ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
-                     ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
-        raise ValueError(f"selscan_fused: ScanConfig({', '.join(fused_only)}) applies to impl='fused' only; "
+    if fused_only and chosen != "fused":
+        names = (["exp_poly=True"] if cfg.exp_poly else []) + \
+                ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
+                ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
+                ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
+        raise ValueError(f"selscan_fused: ScanConfig({', '.join(names)}) applies to impl='fused' only; "
                          f"this call runs impl={chosen!r}")
     require_extension(chosen)
-    # Training: the ops that also return what the backward needs (the checkpoints, and the unfused
-    # path's projections); their autograd formula runs the backward kernel (selscan_fused/_ops.py).
-    train = torch.is_grad_enabled() and (
-        x.requires_grad or A_log.requires_grad or W_delta.requires_grad or b_delta.requires_grad
-        or W_B.requires_grad or W_C.requires_grad or D.requires_grad or (h0 is not None and h0.requires_grad))
     if train:
         if chosen == "fused":
             y, h, _ = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
