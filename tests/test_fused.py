@@ -229,6 +229,21 @@ def test_fused_tiny_float32_high_calls_take_3xtf32(poisoned_outputs):
         check_against_float64(inp, y, h, "float32-highest")
 
 
+def test_auto_with_a_fused_switch_runs_the_fused_kernel():
+    """impl='auto' where its rule takes the unfused path (one sequence, L = 2048, D = 1024, bf16): a
+    ScanConfig switch of the fused kernel makes it run the fused kernel instead of raising."""
+    fresh_seed()
+    inp = make_inputs(1, 2048, 1024, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    assert selscan_fused.resolve_impl("auto", inp["x"], 16) == "unfused"
+    cfg = ScanConfig(channel_tile=64)
+    y_auto, h_auto = call(inp, "auto", return_final_state=True, config=cfg)
+    y_fused, h_fused = call(inp, "fused", return_final_state=True, config=cfg)
+    y_unf, _ = call(inp, "unfused", return_final_state=True)
+    assert torch.equal(y_auto, y_fused) and torch.equal(h_auto, h_fused)
+    assert not torch.equal(y_auto, y_unf)  # the paths round differently: this tells them apart
+    check_against_float64(inp, y_auto, h_auto, "bfloat16")
+
+
 def test_exp_poly_is_fused_only():
     inp = make_inputs(1, 9, 64, 16, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="exp_poly=True.*impl='fused' only"):

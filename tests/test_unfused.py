@@ -146,7 +146,8 @@ def test_bad_input_on_cuda():
 
 
 def test_auto_picks_the_fastest_supported_path():
-    """The measured policy (docs/perf-notes.md, fused v2)."""
+    """The measured policy (selscan_fused.api.auto_choice; tests/test_auto_rule.py checks it against the
+    committed tables) as resolve_impl applies it to CUDA tensors."""
     hopper = torch.cuda.get_device_capability() == (9, 0) and selscan_fused._extension.fused_extension_available()
     fused_if_hopper = "fused" if hopper else "unfused"
     for dt in (torch.bfloat16, torch.float16):
@@ -160,8 +161,18 @@ def test_auto_picks_the_fastest_supported_path():
     with matmul_precision("float32-highest"):
         assert selscan_fused.resolve_impl("auto", big, 16) == fused_if_hopper
         assert selscan_fused.resolve_impl("auto", small, 16) == "unfused"
+    wide = torch.empty(2, selscan_fused.api.FUSED_FP32_MIN_TOKENS // 2, 512, device="cuda")
+    with matmul_precision("float32-highest"):
+        assert selscan_fused.resolve_impl("auto", wide, 16) == "unfused"  # 16 channel tiles: an L split
     with matmul_precision("float32-high"):
-        assert selscan_fused.resolve_impl("auto", big, 16) == "unfused"
+        assert selscan_fused.resolve_impl("auto", big, 16) == fused_if_hopper  # D <= 256, the forward
+        assert selscan_fused.resolve_impl("auto", big, 16, training=True) == "unfused"
+        assert selscan_fused.resolve_impl("auto", wide, 16) == "unfused"
+    one = torch.empty(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)  # the plan's 512-token floor
+    assert selscan_fused.resolve_impl("auto", one, 16) == "unfused"
+    assert selscan_fused.resolve_impl("auto", one[:, :512], 16) == fused_if_hopper
+    assert selscan_fused.resolve_impl("auto", one[:, :512], 16, training=True) == fused_if_hopper
+    assert selscan_fused.resolve_impl("auto", one[:, :1024], 16, training=True) == "unfused"
 
 
 def _op_args(dtype=torch.bfloat16):
