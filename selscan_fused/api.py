@@ -249,7 +249,7 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
         (1, 2048, 1024); the plan's floor is what should change, docs/perf-notes.md, batch-1 regime).
     bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward,
       and the unfused path for one stream group of 16 channel tiles (batch x D = 1024, D >= 1024) from
-      L = 1024 on: there the fused path's forward plus backward measured 1-16% slower (shape P, L 1K to
+      L = 1024 on: there the fused path's forward plus backward measured 1-17% slower (shape P, L 1K to
       512K; at L = 512 it is 10% faster).
     float32, matmul precision "highest" (no TF32): the fused kernel (3xTF32) only from
       FUSED_FP32_MIN_TOKENS tokens on, and only where D <= 256, or D <= 1024 with at least 128 channel
