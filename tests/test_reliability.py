@@ -303,6 +303,52 @@ def test_misaligned_and_strided_inputs(impl):
             assert rel_l2(y, y64) < TOLERANCE["bfloat16"] and rel_l2(h, h64) < TOLERANCE["bfloat16"]
 
 
+def _misaligned(t):
+    """t's values in a view that starts one element into its storage: 4 bytes off for float32."""
+    buf = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+    v = buf[1:].view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 8 != 0
+    return v
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_misaligned_float32_parameters_forward_and_backward(impl):
+    """A_log, b_delta, D and h0 as views one float into their storage (the fused kernel reads b_delta two
+    floats at a time, so an 8-byte aligned copy is needed): the same values and gradients, bit for bit, as
+    aligned tensors, and every gradient lands in the misaligned leaf."""
+    fresh_seed()
+    inp = make_inputs(2, 300, 128, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    ref = _forward_backward(inp, impl)
+    names = [k for k in inp if inp[k] is not None]
+    leaves = {k: (_misaligned(inp[k].detach()) if k in ("A_log", "b_delta", "D", "h0") else inp[k].detach().clone())
+              for k in names}
+    for v in leaves.values():
+        v.requires_grad_(True)
+    y, h = call(dict(inp, **leaves), impl, return_final_state=True)
+    (y.float().square().mean() + h.square().mean()).backward()
+    got = [y.detach(), h.detach()] + [leaves[k].grad for k in names]
+    for name, a, b in zip(["y", "h"] + names, got, ref):
+        assert torch.equal(a, b), name
+
+
+@requires_hopper
+def test_fused_backward_with_a_misaligned_checkpoint_buffer():
+    """The fused backward reads the forward's checkpoints 16 bytes at a time; a caller of the op may pass
+    them as any float32 view: the gradients equal those from the aligned buffer."""
+    fresh_seed()
+    inp = make_inputs(2, 700, 128, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    args = (inp["x"], inp["A_log"], inp["W_delta"], inp["b_delta"], inp["W_B"], inp["W_C"], inp["D"], inp["h0"])
+    y, hT, ckpt = torch.ops.selscan_fused.fused_fwd_res(*args, 0)
+    dy = torch.randn_like(y)
+    dhT = torch.randn_like(hT)
+    ref = torch.ops.selscan_fused.fused_bwd(*args, dy, dhT, ckpt, 0, 1, 0)
+    got = torch.ops.selscan_fused.fused_bwd(*args, dy, dhT, _misaligned(ckpt), 0, 1, 0)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert torch.equal(a, b), i
+    assert all(torch.isfinite(g).all() for g in ref)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", ["float32-highest", "bfloat16"])
 def test_a_log_past_float32_exp_range(impl, mode):

@@ -87,7 +87,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in,
   // TMA reads 16-byte aligned, contiguous tensors.
   const at::Tensor x = aligned_contiguous(x_in);
   const at::Tensor Wd = aligned_contiguous(W_delta), Wb = aligned_contiguous(W_B), Wc = aligned_contiguous(W_C);
-  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
+  // b_delta is read two floats at a time (8-byte loads): aligned like the rest.
+  const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(b_delta), D_c = D.contiguous();
   at::Tensor h0_c;
   if (h0) h0_c = h0->contiguous();
 
@@ -215,8 +216,9 @@ std::vector<at::Tensor> fused_bwd(const at::Tensor& x_in, const at::Tensor& A_lo
   const at::Tensor x = aligned_contiguous(x_in);
   const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
   const at::Tensor Wd = aligned_contiguous(W_delta), Wb = aligned_contiguous(W_B), Wc = aligned_contiguous(W_C);
-  const at::Tensor ckpt = ckpt_in.contiguous();
-  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
+  const at::Tensor ckpt = aligned_contiguous(ckpt_in);  // read 8 or 16 bytes at a time
+  // b_delta is read two floats at a time (8-byte loads): aligned like the rest.
+  const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(b_delta), D_c = D.contiguous();
   at::Tensor dhT_c;
   if (dhT) dhT_c = dhT->to(at::kFloat).contiguous();
   const int64_t BL = batch * L, P = Dm + 2 * N;
