@@ -278,7 +278,9 @@ def test_one_kernel_and_no_intermediates(L, l_segments):
     assert len(kernels) == 1 and "fused_kernel" in names[0], names
     n_seg, _, _ = torch.ops.selscan_fused.fused_plan(inp["x"], 16, l_segments)
     allocs = stats1["allocation.all.allocated"] - stats0["allocation.all.allocated"]
-    nbytes = stats1["allocated_bytes.all.allocated"] - stats0["allocated_bytes.all.allocated"]
+    # the bytes asked for: allocated_bytes counts the cached block handed out, which can exceed the request
+    # by up to 1 MB (the allocator does not split a large block for less), depending on earlier tests
+    nbytes = stats1["requested_bytes.all.allocated"] - stats0["requested_bytes.all.allocated"]
     ws = (n_seg - 1) * 2 * 256 * 17 * 4
     budget = y.numel() * y.element_size() + h.numel() * 4 + ws
     assert allocs <= 3 and nbytes <= budget + 3 * 512, (allocs, nbytes, budget)
