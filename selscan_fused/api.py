@@ -248,9 +248,9 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
         the fused plan's 512-token floor per segment leaves half the SMs idle (1.32x slower at
         (1, 2048, 1024); the plan's floor is what should change, docs/perf-notes.md, batch-1 regime).
     bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward,
-      and the unfused path for one stream group of 16 channel tiles (batch x D = 1024, D >= 1024) from
-      L = 1024 on: there the fused path's forward plus backward measured 1-17% slower (shape P, L 1K to
-      512K; at L = 512 it is 10% faster).
+      and the unfused path for one stream group of 16 channel tiles (batch x D = 1024, D >= 1024) below
+      L = 8192: there the fused path's forward plus backward measured 13-31% slower (shape P, L 512 to
+      4K, 2026-12-03); from 8K on it is 4-19% faster.
     float32, matmul precision "highest" (no TF32): the fused kernel (3xTF32) only from
       FUSED_FP32_MIN_TOKENS tokens on, and only where D <= 256, or D <= 1024 with at least 128 channel
       tiles (batch x D / 64) so that no L split is needed (S1, S2, S4: 4-9% faster); elsewhere the
@@ -265,7 +265,7 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
             return "unfused"
         if D >= 1024 and batch * D <= 1024 and 2048 <= L < 4096:
             return "unfused"
-        if training and D >= 1024 and batch * D <= 1024 and L >= 1024:
+        if training and D >= 1024 and batch * D <= 1024 and L < 8192:
             return "unfused"
         return "fused"
     if dtype == torch.float32 and tokens >= FUSED_FP32_MIN_TOKENS:

@@ -77,8 +77,9 @@ def test_the_rule_between_the_measured_rows():
     assert auto_choice(bf16, 1, 3000, 1024, tf32=False, training=False) == "unfused"    # the 512-token floor
     assert auto_choice(bf16, 2, 2048, 1024, tf32=False, training=False) == "fused"      # 32 channel tiles
     assert auto_choice(bf16, 1, 65536, 256, tf32=False, training=True) == "fused"       # S4 trains fused
-    assert auto_choice(bf16, 1, 512, 1024, tf32=False, training=True) == "fused"
-    assert auto_choice(bf16, 1, 8192, 1024, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 1, 512, 1024, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 1, 4096, 1024, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 1, 8192, 1024, tf32=False, training=True) == "fused"
     assert auto_choice(bf16, 1, 8192, 1024, tf32=False, training=False) == "fused"
     fp32 = torch.float32
     assert auto_choice(fp32, 1, FUSED_FP32_MIN_TOKENS - 1, 64, tf32=False, training=False) == "unfused"

@@ -171,8 +171,10 @@ def test_auto_picks_the_fastest_supported_path():
     one = torch.empty(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)  # the plan's 512-token floor
     assert selscan_fused.resolve_impl("auto", one, 16) == "unfused"
     assert selscan_fused.resolve_impl("auto", one[:, :512], 16) == fused_if_hopper
-    assert selscan_fused.resolve_impl("auto", one[:, :512], 16, training=True) == fused_if_hopper
+    assert selscan_fused.resolve_impl("auto", one[:, :512], 16, training=True) == "unfused"
     assert selscan_fused.resolve_impl("auto", one[:, :1024], 16, training=True) == "unfused"
+    long = torch.empty(1, 8192, 1024, device="cuda", dtype=torch.bfloat16)
+    assert selscan_fused.resolve_impl("auto", long, 16, training=True) == fused_if_hopper
 
 
 def _op_args(dtype=torch.bfloat16):
