@@ -155,8 +155,8 @@ def _workload(impl, seed):
     return cases
 
 
-def _forward_backward(inp, impl):
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items() if v is not None}
+def _forward_backward(inp, impl, make_leaf=lambda name, v: v.detach().clone()):
+    leaves = {k: make_leaf(k, v).requires_grad_(True) for k, v in inp.items() if v is not None}
     a = dict(inp, **leaves)
     y, h = call(a, impl, return_final_state=True)
     (y.float().square().mean() + h.square().mean()).backward()
@@ -279,6 +279,15 @@ def test_cuda_graph_replay_with_new_inputs_forward_and_backward(impl):
         assert rel_l2(outs[0], y64) < TOLERANCE["bfloat16"]
 
 
+def _misaligned(t):
+    """t's values in a view that starts one element into its storage (2 bytes off for bf16, 4 for float32)."""
+    buf = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+    v = buf[1:].view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 8 != 0
+    return v
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_misaligned_and_strided_inputs(impl):
     """Any strides and storage offsets: a view that starts one element into its storage (not 16-byte
@@ -286,9 +295,7 @@ def test_misaligned_and_strided_inputs(impl):
     fresh_seed()
     inp = make_inputs(2, 300, 128, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
     ref_y, ref_h = call(inp, impl, return_final_state=True)
-    flat = torch.empty(inp["x"].numel() + 1, device="cuda", dtype=torch.bfloat16)
-    x_mis = flat[1:].view(inp["x"].shape)
-    x_mis.copy_(inp["x"])
+    x_mis = _misaligned(inp["x"])
     assert x_mis.data_ptr() % 16 != 0
     wide = torch.zeros(2, 300, 256, device="cuda", dtype=torch.bfloat16)
     wide[..., 64:192] = inp["x"]
@@ -303,15 +310,6 @@ def test_misaligned_and_strided_inputs(impl):
             assert rel_l2(y, y64) < TOLERANCE["bfloat16"] and rel_l2(h, h64) < TOLERANCE["bfloat16"]
 
 
-def _misaligned(t):
-    """t's values in a view that starts one element into its storage: 4 bytes off for float32."""
-    buf = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
-    v = buf[1:].view(t.shape)
-    v.copy_(t)
-    assert v.data_ptr() % 8 != 0
-    return v
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_misaligned_float32_parameters_forward_and_backward(impl):
     """A_log, b_delta, D and h0 as views one float into their storage (the fused kernel reads b_delta two
@@ -321,13 +319,8 @@ def test_misaligned_float32_parameters_forward_and_backward(impl):
     inp = make_inputs(2, 300, 128, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
     ref = _forward_backward(inp, impl)
     names = [k for k in inp if inp[k] is not None]
-    leaves = {k: (_misaligned(inp[k].detach()) if k in ("A_log", "b_delta", "D", "h0") else inp[k].detach().clone())
-              for k in names}
-    for v in leaves.values():
-        v.requires_grad_(True)
-    y, h = call(dict(inp, **leaves), impl, return_final_state=True)
-    (y.float().square().mean() + h.square().mean()).backward()
-    got = [y.detach(), h.detach()] + [leaves[k].grad for k in names]
+    got = _forward_backward(inp, impl, lambda k, v: _misaligned(v.detach()) if k in ("A_log", "b_delta", "D", "h0")
+                            else v.detach().clone())
     for name, a, b in zip(["y", "h"] + names, got, ref):
         assert torch.equal(a, b), name
 
