@@ -255,10 +255,10 @@ def main():
                                  floor_exp_ms=f.exp_ms, floor_io_ms=f.io_ms, floor_gemm_ms=f.gemm_ms,
                                  mamba_ms=peer))
             del inp
+            if a.json:  # after every shape, so that a sweep cut short keeps what it measured
+                with open(a.json, "w") as fh:
+                    json.dump(rows, fh, indent=1)
     torch.set_float32_matmul_precision("highest")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":
