@@ -118,3 +118,15 @@ def test_compare_results_reads_the_committed_tables(name, capsys):
     measured = sum(r["status"].startswith("ok") and r.get("path") not in compare_results.HOST_TIMED_PATHS
                    for r in rows)
     assert f"{name}: {measured} rows measured in both runs, {measured} within 10%, 0 outside" in capsys.readouterr().out
+
+
+def test_plan_model_reads_the_committed_sweep(capsys):
+    """benchmarks/plan_model.py on docs/fwd_split_sweep.csv: today's plan as the op measured it, and
+    the candidate rule's splits (docs/perf-notes.md, the batch-1 section, quotes both means)."""
+    import plan_model
+    assert plan_model.split_lengths(1000, 3) == (3, 384)
+    assert plan_model.main([]) == 0
+    out = capsys.readouterr().out
+    assert "mean x fastest: today 1.068; candidate 1.004 over 17 shapes" in out
+    # the model of today's plan: P at 2K splits the wide layout in 4 (the 512-token floor)
+    assert plan_model.plan_today(1, 2048, 1024, 16)[:2] == (64, 4)
