@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from bench import TORCH_DTYPE, make, time_ms  # noqa: E402
+from compare_results import HOST_TIMED_PATHS  # noqa: E402
 from shapes import floors, shape_dims  # noqa: E402
 
 import selscan_fused  # noqa: E402
@@ -94,7 +95,7 @@ def table(shapes, dtypes, reps, reference_max):
                         y = y[0] if isinstance(y, tuple) else y
                         row["rel_err"] = rel_err(y, y64)
                         del y
-                    graph = name != "reference"  # the reference's Python loop: timed as called
+                    graph = name not in HOST_TIMED_PATHS  # the reference's Python loop: timed as called
                     row["gpu_ms"] = time_ms(fn, reps if graph else 3, graph=graph)
                     row["eager_ms"] = time_ms(fn, reps if graph else 3)
                     ms = row["gpu_ms"]

@@ -23,7 +23,8 @@ import statistics
 import sys
 
 KEYS = {"paper_figure": ["path", "mode", "L", "batch", "D", "N", "dtype"], "ablation_table": ["shape", "dtype", "path"]}
-# Paths timed as called, on the host (see above): listed, not held to the GPU noise bound.
+# Paths timed as called, on the host (see above): listed, not held to the GPU noise bound. The ablation
+# table times these without a CUDA graph (benchmarks/ablation_table.py reads this set).
 HOST_TIMED_PATHS = {"reference"}
 
 
