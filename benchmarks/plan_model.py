@@ -51,11 +51,13 @@ def cost(b, L, D, N, tile, n, phase_cost, elem=2.0):
     return waves * seg * max(tile * per_exp, load) + (1 if ns == 1 else 2) * phase_cost, ns, seg
 
 
-def max_split(b, L, D, tile, floor):
+def max_split(b, L, D, tile, floor, requested=0):
+    """The split the plan asks split_lengths for: requested, or one stream per SM at most and segments
+    of at least floor tokens; at most one segment per token tile either way."""
     streams = b * (D // tile)
-    n = 1
-    if streams < SMS:
-        n = min(max(1, SMS // streams), max(1, L // floor))
+    n = requested
+    if n <= 0:
+        n = min(max(1, SMS // streams), max(1, L // floor)) if streams < SMS else 1
     return max(1, min(n, (L + TOKEN_TILE - 1) // TOKEN_TILE))
 
 
@@ -63,9 +65,7 @@ def plan_today(b, L, D, N, requested=0):
     """(tile, segments, segment length) of today's plan; requested > 0 forces the split."""
     best = None
     for tile in (64, 16):  # the narrow layout exists for bf16/fp16 at N = 16, the rows swept
-        n = requested if requested > 0 else max_split(b, L, D, tile, TODAY_FLOOR)
-        n = max(1, min(n, (L + TOKEN_TILE - 1) // TOKEN_TILE))
-        c, ns, seg = cost(b, L, D, N, tile, n, 0.0)
+        c, ns, seg = cost(b, L, D, N, tile, max_split(b, L, D, tile, TODAY_FLOOR, requested), 0.0)
         if best is None or c < best[0]:  # the wide layout unless the narrow one costs less
             best = (c, tile, ns, seg)
     return best[1:]
