@@ -121,12 +121,15 @@ def test_compare_results_reads_the_committed_tables(name, capsys):
 
 
 def test_plan_model_reads_the_committed_sweep(capsys):
-    """benchmarks/plan_model.py on docs/fwd_split_sweep.csv: today's plan as the op measured it, and
-    the candidate rule's splits (docs/perf-notes.md, the batch-1 section, quotes both means)."""
+    """benchmarks/plan_model.py on docs/fwd_split_sweep.csv: the plan before 2026-12-03 as the op
+    measured it, and the library's splits (docs/perf-notes.md, the batch-1 section, quotes both means)."""
     import plan_model
     assert plan_model.split_lengths(1000, 3) == (3, 384)
     assert plan_model.main([]) == 0
     out = capsys.readouterr().out
-    assert "mean x fastest: today 1.068; candidate 1.004 over 17 shapes" in out
-    # the model of today's plan: P at 2K splits the wide layout in 4 (the 512-token floor)
-    assert plan_model.plan_today(1, 2048, 1024, 16)[:2] == (64, 4)
+    assert "mean x fastest: before 1.068; library 1.004 over 17 shapes" in out
+    # the plan before: P at 2K splits the wide layout in 4 (the 512-token floor); the library's in 8
+    assert plan_model.plan_before(1, 2048, 1024, 16)[:2] == (64, 4)
+    assert plan_model.plan_library(1, 2048, 1024, 16) == (64, 8, 256)
+    # at 512 tokens one phase of the narrow layout: a split's second phase costs more than it saves
+    assert plan_model.plan_library(1, 512, 1024, 16) == (16, 1, 512)

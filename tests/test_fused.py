@@ -151,7 +151,11 @@ def test_fused_channel_tile_choice_and_errors():
         assert plan(x(1, 64, 1024), 16, 0)[2] == 16               # S5
         assert plan(x(8, 4096, 1024), 16, 0) == [1, 4096, 64]     # S2
         assert plan(x(1, 65536, 256), 16, 0)[2] == 64             # S4
-        assert plan(x(4, 2048, 256), 16, 0) == [2, 1024, 16]      # fewer sequences: narrow, L in 2
+        # fewer sequences: 8 segments of the wide layout fill the SMs in one phase pair cheaper than
+        # the narrow one's 64 streams (the fixed cost per phase, docs/perf-notes.md, batch-1 regime)
+        assert plan(x(4, 2048, 256), 16, 0) == [8, 256, 64]
+        assert plan(x(1, 2048, 1024), 16, 0) == [8, 256, 64]     # shape P at 2K
+        assert plan(x(1, 512, 1024), 16, 0) == [1, 512, 16]      # ... at 512: one narrow phase
         assert plan(x(1, 4097, 2048), 16, 0)[2] == 64             # wide D: narrow bound by x loads
         assert plan(x(2, 4096, 1024), 16, 0)[2] == 64
     assert plan(x(8, 2048, 256, torch.float32), 16, 0)[2] == 64  # no narrow layout for float32
@@ -230,10 +234,10 @@ def test_fused_tiny_float32_high_calls_take_3xtf32(poisoned_outputs):
 
 
 def test_auto_with_a_fused_switch_runs_the_fused_kernel():
-    """impl='auto' where its rule takes the unfused path (one sequence, L = 2048, D = 1024, bf16): a
+    """impl='auto' where its rule takes the unfused path (one sequence, L = 2048, D = 2048, bf16): a
     ScanConfig switch of the fused kernel makes it run the fused kernel instead of raising."""
     fresh_seed()
-    inp = make_inputs(1, 2048, 1024, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
+    inp = make_inputs(1, 2048, 2048, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
     assert selscan_fused.resolve_impl("auto", inp["x"], 16) == "unfused"
     cfg = ScanConfig(channel_tile=64)
     y_auto, h_auto = call(inp, "auto", return_final_state=True, config=cfg)

@@ -59,6 +59,28 @@ def test_long_sequence_fills_the_gpu(poisoned_outputs):
     check_against_float64(inp, y, h, "bfloat16")
 
 
+def test_split_plan_for_few_sequences():
+    """The unfused forward's automatic L split (csrc/scan/scan_launch.cu, plan_split): where the
+    (sequence, 32-channel) items leave SMs idle, the largest power of two of segments whose CTAs are
+    all resident at once, in segments of one chunk (32 tokens) or more, and no split into fewer than
+    4 segments (where L / 32 bounds it below 4, one segment measured faster); the splits measured fastest
+    on the H200 (docs/fwd_split_sweep.csv, docs/perf-notes.md "The batch-1 regime")."""
+    plan = torch.ops.selscan_fused.scan_plan
+    x = lambda b, L, D: torch.empty(1, 1, D, dtype=torch.bfloat16, device="cuda").expand(b, L, D)
+    assert plan(x(4, 2048, 2048), 16, 0)[0] == 1        # 256 items: every SM has a CTA already
+    assert plan(x(1, 32, 1024), 16, 0)[0] == 1          # one chunk
+    assert plan(x(1, 64, 1024), 16, 0)[0] == 1          # 2 chunks: no split into fewer than 4 (S5-64)
+    assert plan(x(1, 96, 1024), 16, 0)[0] == 1
+    assert plan(x(1, 128, 1024), 16, 0) == [4, 32]
+    assert plan(x(1, 256, 1024), 16, 0) == [8, 32]      # the floor of one chunk bounds it
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # H200 / H100 SXM
+        assert plan(x(1, 2048, 1024), 16, 0) == [16, 128]   # 32 items
+        assert plan(x(1, 65536, 1024), 16, 0)[0] == 16
+        assert plan(x(2, 8192, 1024), 16, 0)[0] == 8        # 64 items
+        assert plan(x(4, 8192, 1024), 16, 0)[0] == 4        # 128 items
+        assert plan(x(1, 65536, 256), 16, 0)[0] == 64       # S4: 8 items
+
+
 def test_scan_kernel_alone(poisoned_outputs):
     fresh_seed()
     inp = make_inputs(2, 777, 256, 16, dtype=torch.bfloat16, device="cuda", with_h0=True)
@@ -168,12 +190,14 @@ def test_auto_picks_the_fastest_supported_path():
         assert selscan_fused.resolve_impl("auto", big, 16) == fused_if_hopper  # D <= 256, the forward
         assert selscan_fused.resolve_impl("auto", big, 16, training=True) == "unfused"
         assert selscan_fused.resolve_impl("auto", wide, 16) == "unfused"
-    one = torch.empty(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)  # the plan's 512-token floor
-    assert selscan_fused.resolve_impl("auto", one, 16) == "unfused"
-    assert selscan_fused.resolve_impl("auto", one[:, :512], 16) == fused_if_hopper
-    assert selscan_fused.resolve_impl("auto", one[:, :512], 16, training=True) == "unfused"
-    assert selscan_fused.resolve_impl("auto", one[:, :1024], 16, training=True) == "unfused"
-    long = torch.empty(1, 8192, 1024, device="cuda", dtype=torch.bfloat16)
+    wide_bf16 = torch.empty(1, 2048, 2048, device="cuda", dtype=torch.bfloat16)  # cuBLAS leads
+    assert selscan_fused.resolve_impl("auto", wide_bf16, 16) == "unfused"
+    one = torch.empty(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)  # shape P
+    assert selscan_fused.resolve_impl("auto", one, 16) == fused_if_hopper
+    assert selscan_fused.resolve_impl("auto", one, 16, training=True) == "unfused"
+    assert selscan_fused.resolve_impl("auto", one[:, :512], 16, training=True) == fused_if_hopper
+    long = torch.empty(1, 16384, 1024, device="cuda", dtype=torch.bfloat16)
+    assert selscan_fused.resolve_impl("auto", long, 16) == "unfused"  # the unfused plan's 16 segments
     assert selscan_fused.resolve_impl("auto", long, 16, training=True) == fused_if_hopper
 
 

@@ -42,26 +42,32 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
   const int64_t seqlen = std::max<int64_t>(p.seqlen, 1);
   const int64_t batch = std::max<int64_t>(p.batch, 1);
   const int64_t max_segments = (seqlen + kFusedTokenTile - 1) / kFusedTokenTile;
-  // The L split for a channel tile, and its cost: the tokens of the busiest CTA (each phase's streams
+  // The L split and channel tile, by a cost model: the tokens of the busiest CTA (each phase's streams
   // spread over one persistent CTA per SM), times the larger of two per-token costs: the scan's (its
   // channels weighted by the measured cost per exponential of the layout: kFusedNarrowCost; the
   // 64-channel layouts 1 for long streams, 1.14 for short ones, docs/perf-notes.md v3.2) and the
   // operand loads' (an x row and the token's share of the stacked weight tile, in
-  // kFusedLoadBytesPerUnit).
+  // kFusedLoadBytesPerUnit); plus a fixed cost per grid phase.
   const double elem = p.dtype == DType::kFloat32 ? 4.0 : 2.0;
-  auto plan = [&](int64_t tile, FusedLaunchInfo* info) {
+  // The largest split the plan considers for a channel tile: the requested one, or (one persistent
+  // CTA per SM) streams close to one per SM, never more (a second stream on an SM doubles its time),
+  // in segments of at least kFusedMinSegment tokens; at most one segment per token tile.
+  auto top_split = [&](int64_t tile) {
     const int64_t streams = batch * (p.dim / tile);
     int64_t n = 1;
     if (requested_segments > 0) {
       n = requested_segments;
     } else if (streams < sms) {
-      // One persistent CTA per SM: cut L so that the streams come close to one per SM, never more
-      // (a second stream on an SM would double its time); segments of at least 512 tokens.
-      n = std::max<int64_t>(1, sms / streams);
-      n = std::min<int64_t>(n, std::max<int64_t>(1, seqlen / 512));
+      n = std::min<int64_t>(std::max<int64_t>(1, sms / streams), std::max<int64_t>(1, seqlen / kFusedMinSegment));
     }
-    split_lengths(seqlen, std::max<int64_t>(1, std::min(n, max_segments)), kFusedTokenTile, &info->n_segments,
-                  &info->seg_len);
+    return std::max<int64_t>(1, std::min(n, max_segments));
+  };
+  // A split's cost: its phases' waves (streams x segments spread over the SMs) times the segment
+  // length times the larger per-token cost, plus kFusedPhaseCost per grid phase (one without a
+  // split, two with one).
+  auto cost = [&](int64_t tile, int64_t n, FusedLaunchInfo* info) {
+    const int64_t streams = batch * (p.dim / tile);
+    split_lengths(seqlen, n, kFusedTokenTile, &info->n_segments, &info->seg_len);
     info->channel_tile = tile;
     const int64_t waves = (streams * info->n_segments + sms - 1) / sms +
                           (streams * (info->n_segments - 1) + sms - 1) / sms;
@@ -69,16 +75,40 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
     const double scan = double(tile) * per_exp;
     const double load = double(p.dim) * elem * (1.0 + double(tile + 2 * p.dstate) / double(kFusedTokenTile)) /
                         kFusedLoadBytesPerUnit;
-    return double(waves) * double(info->seg_len) * std::max(scan, load);
+    return double(waves) * double(info->seg_len) * std::max(scan, load) +
+           (info->n_segments == 1 ? 1.0 : 2.0) * kFusedPhaseCost;
   };
-  FusedLaunchInfo wide, narrow;
-  const double cost_wide = plan(64, &wide);
-  if (requested_channel_tile == 64 || !narrow_ok) {
-    *out = wide;
-  } else {
-    const double cost_narrow = plan(16, &narrow);
-    *out = (requested_channel_tile == 16 || cost_narrow < cost_wide) ? narrow : wide;
+  // Candidates: per allowed channel tile, no split, the largest split and every power of two below
+  // it (a requested split: that one only). Among those within kFusedPlanTie of the cheapest, the one
+  // with the most segments (then the cheaper): the model cannot tell such splits apart and the
+  // measured time favoured more segments (docs/perf-notes.md, the batch-1 regime).
+  constexpr int kMaxCandidates = 2 * 10;
+  FusedLaunchInfo cand[kMaxCandidates];
+  double cand_cost[kMaxCandidates];
+  int count = 0;
+  for (int64_t tile : {int64_t(64), int64_t(16)}) {
+    if (tile == 16 && (!narrow_ok || requested_channel_tile == 64)) continue;
+    if (tile == 64 && requested_channel_tile == 16) continue;
+    const int64_t top = top_split(tile);
+    for (int64_t n = 1; count < kMaxCandidates; n *= 2) {
+      const int64_t m = std::min(n, top);
+      if (requested_segments <= 0 || m == top) {
+        cand_cost[count] = cost(tile, m, &cand[count]);
+        ++count;
+      }
+      if (m == top) break;
+    }
   }
+  double cheapest = cand_cost[0];
+  for (int i = 1; i < count; ++i) cheapest = std::min(cheapest, cand_cost[i]);
+  int best = -1;
+  for (int i = 0; i < count; ++i) {
+    if (cand_cost[i] > cheapest * (1.0 + kFusedPlanTie)) continue;
+    if (best < 0 || cand[i].n_segments > cand[best].n_segments ||
+        (cand[i].n_segments == cand[best].n_segments && cand_cost[i] < cand_cost[best]))
+      best = i;
+  }
+  *out = cand[best];
   return cudaSuccess;
 }
 

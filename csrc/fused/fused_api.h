@@ -33,6 +33,15 @@ constexpr double kFusedNarrowCost = 2.0;
 // other shapes of docs/perf-notes.md v3.7's table on the side that measured faster).
 constexpr double kFusedLoadBytesPerUnit = 75.0;
 
+// The plan's segment floor, its fixed cost per grid phase (in the units above) and its tie band:
+// fitted on the sweep of every L split (docs/fwd_split_sweep.csv, docs/perf-notes.md "The batch-1
+// regime"): at shape P a unit is ~1.02 ns, so a phase costs ~7.7 us; without it the model splits
+// 256-512 tokens that run faster in one segment, and the 512-token floor before it left P at 1K and
+// 2K 1.45x / 1.63x slower than 8 segments.
+constexpr int64_t kFusedMinSegment = 128;
+constexpr double kFusedPhaseCost = 7500.0;
+constexpr double kFusedPlanTie = 0.03;
+
 // Whether the narrow layout exists for this dtype / N (bf16/fp16 with N = 16).
 bool fused_has_narrow_layout(DType dtype, int64_t dstate);
 
@@ -77,11 +86,25 @@ inline bool fused_bwd_layout_ok(int64_t threads_per_channel) {
 
 // L split of the fused backward (requested_segments <= 0: automatic): streams of 64 channels; where
 // they are fewer than the SMs, L is cut so that they come close to one per SM, segments of at least
-// kFusedBwdMinSegment tokens.
-constexpr int64_t kFusedBwdMinSegment = 256;
-// fused_bwd's automatic mode takes the kernel where its plan splits L into 2 .. this many segments
-// (measured faster there; docs/perf-notes.md, "Fused backward v1").
-constexpr int64_t kFusedBwdAutoMaxSegments = 8;
+// kFusedBwdMinSegment tokens (one checkpoint interval: the sweep of 2026-12-03, docs/perf-notes.md
+// "The fused backward's automatic rule": at L = 512 the plans of 64- or 128-token segments took
+// 1.4-2.0x less time than those of the 256-token floor before it; no measured plan was slower).
+constexpr int64_t kFusedBwdMinSegment = 64;
+// fused_bwd's automatic mode takes the kernel for a plan of n_segments x seg_len tokens where the
+// sweeps of 2026-12-03 (docs/fused_bwd_sweep.csv) measured it faster than the recomputation, within 3%
+// on every shape: segments of at most 128 tokens for D <= 1024 (the recomputation's fixed cost of
+// launches dominates there); otherwise 2 .. kFusedBwdAutoMaxSegments segments (32 of 256-2048 tokens
+// lose: S4), and then for D <= 1024 segments of at least 1024 tokens (the kernel's scan, one CTA per
+// SM, beats the standalone kernel's) or of 512 in at most 4 segments; for D > 1024 (every 64-channel
+// CTA recomputes B and C over K = D) only 4 or more segments of at least 2048 tokens.
+constexpr int64_t kFusedBwdAutoMaxSegments = 16;
+inline bool fused_bwd_auto_takes_kernel(int64_t dim, int64_t n_segments, int64_t seg_len) {
+  if (n_segments < 2) return false;
+  if (seg_len <= 128) return dim <= 1024;
+  if (n_segments > kFusedBwdAutoMaxSegments) return false;
+  if (dim > 1024) return n_segments >= 4 && seg_len >= 2048;
+  return seg_len >= 1024 || (seg_len >= 512 && n_segments <= 4);
+}
 cudaError_t fused_bwd_plan(const FusedParams& p, int64_t requested_segments, int device, FusedLaunchInfo* out);
 
 // Launches the fused backward on `stream`: p as for the forward (sizes, x, weights, per-channel

@@ -179,13 +179,12 @@ bool fused_bwd_takes_kernel(const at::Tensor& x, int64_t batch, int64_t L, int64
               x.scalar_type(), ", N = ", N, ", D = ", Dm, "); use mode = 0 or 2");
   if (!supported || mode == 2 || batch == 0 || L == 0) return false;
   if (mode == 1) return true;
-  // Automatic: the kernel where it measured faster than the recomputation (docs/perf-notes.md, "Fused
-  // backward v1": S1, whose plan splits L in 4, 1.18x; S2 and S3, no split, 0.89x and 0.88x; S4, 32
-  // segments, 0.94x): an L split of 2 .. kFusedBwdAutoMaxSegments segments.
+  // Automatic: the kernel where its plan measured faster than the recomputation (fused_api.h,
+  // fused_bwd_auto_takes_kernel; docs/perf-notes.md, "The fused backward's automatic rule").
   FusedParams p = make_params(x, batch, L, Dm, N);
   FusedLaunchInfo plan;
   SELSCAN_CUDA_OK(fused_bwd_plan(p, 0, x.get_device(), &plan), "planning the fused backward");
-  return plan.n_segments >= 2 && plan.n_segments <= kFusedBwdAutoMaxSegments;
+  return fused_bwd_auto_takes_kernel(Dm, plan.n_segments, plan.seg_len);
 }
 
 // The fused path's backward. Where the fused backward kernel exists (fused_bwd_supported), one launch
