@@ -69,9 +69,10 @@ class ScanConfig:
         kernel (bfloat16/float16 with N = 16; otherwise an error in the backward), which recomputes
         the projections on the tensor cores inside the launch and needs 35-40% less memory than the
         recomputation; "recompute": one library product recomputes the projections, then the
-        standalone backward scan kernel runs (every dtype and N); "auto" (default): the kernel where it
-        measured faster (its plan splits L into 2 to 8 segments: S1-like shapes), the recomputation
-        elsewhere (docs/perf-notes.md, "Fused backward v1").
+        standalone backward scan kernel runs (every dtype and N); "auto" (default): the kernel for
+        the plans where it measured faster (S1-like shapes, and few sequences at short or long L: 2
+        to 16 L segments of chosen lengths, csrc/fused/fused_api.h), the recomputation elsewhere
+        (S2-S4; docs/perf-notes.md, "The fused backward's automatic rule").
     """
 
     l_segments: int = 0
@@ -242,15 +243,16 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
     and docs/paper_figure.csv). A rule by regions, each drawn around measured rows:
 
     bfloat16/float16, the forward: the fused kernel (1.2-2x faster on S1-S5), except
-      - D >= 2048 with at most 2048 tokens (batch x L): the unfused path's cuBLAS products lead there
-        (7-8% at (1, 2048, 2048) and (2, 1024, 2048), at every L split the fused plan can take);
-      - one stream group of 16 channel tiles (batch x D = 1024, the wide layout) with 2048 <= L < 4096:
-        the fused plan's 512-token floor per segment leaves half the SMs idle (1.32x slower at
-        (1, 2048, 1024); the plan's floor is what should change, docs/perf-notes.md, batch-1 regime).
-    bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward,
-      and the unfused path for one stream group of 16 channel tiles (batch x D = 1024, D >= 1024) below
-      L = 8192: there the fused path's forward plus backward measured 13-31% slower (shape P, L 512 to
-      4K, 2026-12-03); from 8K on it is 4-19% faster.
+      - D >= 2048 with at most 64 channel tiles (batch x D <= 4096): the unfused path's cuBLAS products
+        and its finer L split lead there (6-9% at (1, 2048, 2048), (2, 1024, 2048) and (1, 8192, 2048),
+        at every L split the fused plan can take);
+      - one stream group of 16 channel tiles (batch x D <= 1024, D >= 1024) from L = 16384 on: the
+        unfused plan's 16 segments of 32-channel items lead the fused kernel's 8 (2% at 16K, 7% at
+        512K; shape P, 2026-12-03).
+    bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward
+      for D >= 2048; for one stream group of 16 channel tiles (batch x D <= 1024, D >= 1024) the
+      unfused path for 2048 <= L < 8192 (its step measured 4% faster at P's 2K and 4K) and the fused
+      one elsewhere (up to 1.2x faster from 8K on, 1.2x at 512; shape P, 2026-12-03).
     float32, matmul precision "highest" (no TF32): the fused kernel (3xTF32) only from
       FUSED_FP32_MIN_TOKENS tokens on, and only where D <= 256, or D <= 1024 with at least 128 channel
       tiles (batch x D / 64) so that no L split is needed (S1, S2, S4: 4-9% faster); elsewhere the
@@ -261,12 +263,12 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
     """
     tokens = batch * L
     if dtype in (torch.bfloat16, torch.float16):
-        if D >= 2048 and tokens <= 2048:
+        if D >= 2048 and batch * D <= 4096:
             return "unfused"
-        if D >= 1024 and batch * D <= 1024 and 2048 <= L < 4096:
-            return "unfused"
-        if training and D >= 1024 and batch * D <= 1024 and L < 8192:
-            return "unfused"
+        if D >= 1024 and batch * D <= 1024:
+            if training:
+                return "unfused" if 2048 <= L < 8192 else "fused"
+            return "unfused" if L >= 16384 else "fused"
         return "fused"
     if dtype == torch.float32 and tokens >= FUSED_FP32_MIN_TOKENS:
         if not tf32 and (D <= 256 or (D <= 1024 and batch * D >= 128 * 64)):

@@ -1,8 +1,9 @@
 """impl='auto''s rule (selscan_fused.api.auto_choice) against the committed measurements: on every shape
-and dtype of docs/ablation_table.csv and docs/paper_figure.csv where both CUDA paths were timed, the
-path the rule picks is within 3% of the faster one. Runs on the CPU: the rule is a function of dtype and
-shape, the timings are the tables' (measured on the H200 by their commands, docs/results.md). When the
-tables are measured again, this checks the rule against the new figures."""
+and dtype of docs/ablation_table.csv, docs/paper_figure.csv and the plan rows of docs/fwd_plan_check.csv
+where both CUDA paths were timed, the path the rule picks is within 3% of the faster one. Runs on the
+CPU: the rule is a function of dtype and shape, the timings are the tables' (measured on the H200 by
+their commands, docs/results.md). When the tables are measured again, this checks the rule against the
+new figures."""
 import csv
 import os
 import sys
@@ -46,7 +47,20 @@ def _figure_rows():
         yield f"P {b}x{L}x{D} {dt} {mode}", dt, b, L, D, mode == "fwd+bwd", t
 
 
-ROWS = [r for r in list(_ablation_rows()) + list(_figure_rows()) if len(r[6]) == 2]
+def _plan_check_rows():
+    """The same from the sweep of every L split under the plans of 2026-12-03 (docs/fwd_plan_check.csv,
+    bf16 forward): the rows where each path ran its own plan (requested_segments 0)."""
+    times = {}
+    with open(os.path.join(DOCS, "fwd_plan_check.csv")) as f:
+        for r in csv.DictReader(f):
+            if r["requested_segments"] == "0":
+                times.setdefault((r["shape"], r["dtype"]), {})[r["path"]] = float(r["gpu_ms"])
+    for (shape, dt), t in sorted(times.items()):
+        b, L, D, _ = shape_dims(shape)
+        yield f"{shape} {dt} forward (plan check)", dt, b, L, D, False, t
+
+
+ROWS = [r for r in list(_ablation_rows()) + list(_figure_rows()) + list(_plan_check_rows()) if len(r[6]) == 2]
 
 
 def test_the_tables_hold_enough_rows_to_check():
@@ -56,7 +70,8 @@ def test_the_tables_hold_enough_rows_to_check():
     # and they include the shapes the rule's exceptions were drawn from
     labels = {r[0] for r in ROWS}
     for needed in ("1x2048x2048x16 bf16 forward", "1x2048x1024x16 bf16 forward", "S3 fp32 forward",
-                   "P 1x2048x1024 bf16 fwd+bwd"):
+                   "P 1x2048x1024 bf16 fwd+bwd", "P 1x65536x1024 bf16 fwd",
+                   "1x8192x2048x16 bf16 forward (plan check)"):
         assert needed in labels, needed
 
 
@@ -73,13 +88,20 @@ def test_auto_picks_a_path_within_3_percent_of_the_fastest(label, dt, batch, L, 
 def test_the_rule_between_the_measured_rows():
     """What the rule says where no table row sits, as docs/perf-notes.md states it."""
     bf16 = torch.bfloat16
-    assert auto_choice(bf16, 4, 4096, 2048, tf32=False, training=False) == "fused"      # > 2048 tokens
-    assert auto_choice(bf16, 1, 3000, 1024, tf32=False, training=False) == "unfused"    # the 512-token floor
+    assert auto_choice(bf16, 4, 4096, 2048, tf32=False, training=False) == "fused"      # 128 channel tiles
+    assert auto_choice(bf16, 2, 4096, 2048, tf32=False, training=False) == "unfused"    # 64
+    assert auto_choice(bf16, 1, 8192, 2048, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 1, 3000, 1024, tf32=False, training=False) == "fused"      # 8 segments of 384
+    assert auto_choice(bf16, 1, 16384, 1024, tf32=False, training=False) == "unfused"   # 16 unfused segments
+    assert auto_choice(bf16, 1, 16384, 512, tf32=False, training=False) == "fused"      # D < 1024: not measured
     assert auto_choice(bf16, 2, 2048, 1024, tf32=False, training=False) == "fused"      # 32 channel tiles
+    assert auto_choice(bf16, 2, 65536, 1024, tf32=False, training=False) == "fused"
     assert auto_choice(bf16, 1, 65536, 256, tf32=False, training=True) == "fused"       # S4 trains fused
-    assert auto_choice(bf16, 1, 512, 1024, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 1, 1024, 1024, tf32=False, training=True) == "fused"
+    assert auto_choice(bf16, 1, 2048, 1024, tf32=False, training=True) == "unfused"
     assert auto_choice(bf16, 1, 4096, 1024, tf32=False, training=True) == "unfused"
     assert auto_choice(bf16, 1, 8192, 1024, tf32=False, training=True) == "fused"
+    assert auto_choice(bf16, 1, 65536, 1024, tf32=False, training=True) == "fused"     # the step, not the forward
     assert auto_choice(bf16, 1, 8192, 1024, tf32=False, training=False) == "fused"
     fp32 = torch.float32
     assert auto_choice(fp32, 1, FUSED_FP32_MIN_TOKENS - 1, 64, tf32=False, training=False) == "unfused"
