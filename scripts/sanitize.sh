@@ -10,6 +10,9 @@
 # (every shape, every N and dtype, both layouts and the L split still appear: sanitize_cases.py --quick),
 # which takes minutes rather than tens of minutes. SELSCAN_SANITIZE_SHARD=K/M runs the K-th of M parts of
 # that (racecheck's third of the grid takes longer than one 10-minute slot: run it as parts).
+# racecheck of the fused kernels wants the build whose dt/B/C hand-off goes through mbarriers
+# (SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_HANDOFF_MBARRIER=1 python setup.py build_ext --inplace): the tool
+# reports the default build's named-barrier hand-off whether or not it races (docs/reliability.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/selscan-sanitize}
@@ -19,6 +22,9 @@ PY=${PYTHON:-python3}
 CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
 [ -x "$CS" ] || { echo "compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; }
 mkdir -p "$LOG"
+if [[ " $TOOLS " == *" racecheck "* ]] && ! $PY -c "import selscan_fused._build_info as b, sys; sys.exit('SELSCAN_HANDOFF_MBARRIER=1' not in b.FUSED_NVCC_EXTRA_FLAGS)" 2>/dev/null; then
+  echo "note: this build's fused kernels hand off through named barriers; racecheck reports those whether or not they race (build with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_HANDOFF_MBARRIER=1)"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Every tensor its own cudaMalloc: an access past a tensor's end is past an allocation's end, which
 # memcheck sees (inside the caching allocator's pool it would not be).

@@ -131,6 +131,9 @@ struct BwdSharedStorage {
   alignas(16) typename Cfg::Ring::SharedStorage ring;
   alignas(16) typename Cfg::XPipe::SharedStorage xpipe;
   alignas(8) cutlass::arch::ClusterBarrier rounded[1];  // unused (float32 only)
+#if SELSCAN_HANDOFF_MBARRIER
+  alignas(8) HandOffBarriers<Cfg::kPStages> handoff;
+#endif
 };
 
 template <class Cfg, class TmaX, class TmaXt, class TmaWd, class TmaWn>
@@ -257,8 +260,8 @@ __device__ __forceinline__ void bwd_scan_phase(const Args& a, typename Tr::Cfg::
       const int64_t k = s.n_tiles - 1 - tile;  // tile of the stream, last first
       const int64_t t0 = s.t_begin + k * kT;
       const int nvalid = int(min_i64(kT, p.seqlen - t0));
-      const int ps = st.pstage;
-      named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // dt, B, C of the tile
+      const int ps = st.hand.stage;
+      handoff_reader_wait<Cfg>(ss, st.hand);                              // dt, B, C of the tile
       xpipe.consumer_wait(st.xt);                                          // its x and dy
       const float* dts = &ss.dt[ps][0][0] + c;
       const float* Bs = &ss.B[ps][0][0] + n0;
@@ -393,8 +396,8 @@ __device__ __forceinline__ void bwd_scan_phase(const Args& a, typename Tr::Cfg::
       }
       xpipe.consumer_release(st.xt);
       ++st.xt;
-      named_arrive(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
-      st.pstage = (ps + 1) % Cfg::kPStages;
+      handoff_reader_release<Cfg>(ss, st.hand);
+      st.hand.advance(Cfg::kPStages);
     }
 
     if constexpr (!kFull) {
@@ -455,6 +458,7 @@ __global__ void __launch_bounds__(Tr::Cfg::kThreads, 1) fused_bwd_kernel(const _
   xp.is_leader = xdy_lane;
   xp.num_consumers = Cfg::kScanThreads;
   XPipe xpipe(ss.xpipe, xp, Shape<_1, _1, _1>{});
+  handoff_init<Cfg>(ss);
   __syncthreads();  // barrier initialisation visible to everyone
 
   RoleState<Cfg> st;
@@ -494,7 +498,7 @@ __global__ void __launch_bounds__(Tr::Cfg::kThreads, 1) fused_bwd_kernel(const _
     mma_phase<Cfg, true>(a, ring, xpipe, ss, st, blockIdx.x, n_all, false);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kRegScan>();
-    for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
+    handoff_start_empty<Cfg>();  // every hand-off tile starts empty
     uint32_t red_turn = 0;
     if (split) {
       bwd_scan_phase<Tr, false>(a, xpipe, ss, st, red_turn, first1, n_all);

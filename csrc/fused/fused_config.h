@@ -144,6 +144,18 @@ struct Config {
   using XPipe = cutlass::PipelineTmaAsync<kXStages>; // x tiles: producer -> scan warpgroups
 };
 
+// The dt/B/C hand-off through mbarriers instead of named barriers (fused_projection.cuh): 0, the
+// default build; 1 with -DSELSCAN_HANDOFF_MBARRIER=1, for compute-sanitizer's racecheck.
+#ifndef SELSCAN_HANDOFF_MBARRIER
+#define SELSCAN_HANDOFF_MBARRIER 0
+#endif
+
+template <int kPStages>
+struct HandOffBarriers {
+  cutlass::arch::ClusterBarrier full[kPStages];   // kMmaThreads arrivals: the tile is written
+  cutlass::arch::ClusterBarrier empty[kPStages];  // kScanThreads arrivals: the tile is read
+};
+
 template <class Cfg>
 struct SharedStorage {
   using E = typename Cfg::Element;
@@ -159,6 +171,9 @@ struct SharedStorage {
   alignas(16) typename Cfg::Ring::SharedStorage ring;
   alignas(16) typename Cfg::XPipe::SharedStorage xpipe;
   alignas(8) cutlass::arch::ClusterBarrier rounded[Cfg::kRoundWarps ? Cfg::kStages : 1];  // stage rounded
+#if SELSCAN_HANDOFF_MBARRIER
+  alignas(8) HandOffBarriers<Cfg::kPStages> handoff;  // fused_projection.cuh
+#endif
 };
 
 }  // namespace fused

@@ -142,8 +142,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const int64_t t0 = s.t_begin + tile * kT;
       if (!sub_tile_live<Cfg>(p, t0)) continue;
       const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
-      const int ps = st.pstage;
-      named_sync(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+      const int ps = st.hand.stage;
+      handoff_reader_wait<Cfg>(ss, st.hand);
       xpipe.consumer_wait(st.xt);
       const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
       // Narrow layout: (dt, dt * x) pairs; B and C by token pairs (Config::kLdBP).
@@ -295,8 +295,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       if (poly) tile_loop(cute::true_type{}); else tile_loop(cute::false_type{});
       xpipe.consumer_release(st.xt);
       ++st.xt;
-      named_arrive(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
-      st.pstage = (ps + 1) % Cfg::kPStages;
+      handoff_reader_release<Cfg>(ss, st.hand);
+      st.hand.advance(Cfg::kPStages);
     }
 
     CUTE_UNROLL
@@ -358,6 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
       cutlass::arch::fence_barrier_init();
     }
   }
+  handoff_init<Cfg>(ss);
   __syncthreads();  // barrier initialisation visible to everyone
 
   RoleState<Cfg> st;
@@ -411,8 +412,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     mma_phase<Cfg>(a, ring, xpipe, ss, st, blockIdx.x, n_all, xt_mma);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kRegScan>();
-    // Both hand-off tiles start empty.
-    for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
+    handoff_start_empty<Cfg>();  // every hand-off tile starts empty
     if (p.n_segments > 1) {
       scan_phase<Cfg, false>(p, xpipe, ss, st, blockIdx.x, n_phase1);
       grid_barrier();

@@ -36,6 +36,94 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+// The dt/B/C hand-off (tensor-core warpgroup -> scan warpgroups, Cfg::kPStages tiles): by default
+// through the named barriers above (the writer waits on "empty", writes, bar.arrives on "full"; the
+// reader bar.syncs on "full", reads, arrives on "empty"; the reader arrives on every "empty" once
+// first). Built with -DSELSCAN_HANDOFF_MBARRIER=1 (SELSCAN_FUSED_NVCC_FLAGS), the same ring goes
+// through mbarriers in shared memory, waited on by phase parity: the form compute-sanitizer's
+// racecheck follows (it reports named-barrier hand-offs of this kind whether or not they race:
+// docs/reliability.md, scripts/probes/racecheck_named_barrier.cu). The default build is unchanged.
+// (SELSCAN_HANDOFF_MBARRIER and HandOffBarriers: fused_config.h, beside the shared storage.)
+
+// Where each role stands in the hand-off ring (one copy per thread, carried from phase 1 into 2).
+struct HandOffState {
+  int stage = 0;
+  uint32_t phase = 0;  // flips each time the stage index wraps (the mbarrier form only uses it)
+  __device__ __forceinline__ void advance(int n_stages) {
+#if SELSCAN_HANDOFF_MBARRIER
+    if (++stage == n_stages) {
+      stage = 0;
+      phase ^= 1;
+    }
+#else
+    stage = (stage + 1) % n_stages;  // the default build's code as before the mbarrier form existed
+#endif
+  }
+};
+
+// Once per CTA, by one thread, before the __syncthreads that makes barrier initialisation visible.
+template <class Cfg, class SS>
+__device__ __forceinline__ void handoff_init(SS& ss) {
+#if SELSCAN_HANDOFF_MBARRIER
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::kPStages; ++i) {
+      ss.handoff.full[i].init(Cfg::kMmaThreads);
+      ss.handoff.empty[i].init(Cfg::kScanThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+#else
+  (void)ss;
+#endif
+}
+
+// The scan warpgroups, once before their first tile: every hand-off tile starts empty.
+template <class Cfg>
+__device__ __forceinline__ void handoff_start_empty() {
+#if !SELSCAN_HANDOFF_MBARRIER
+  for (int s = 0; s < Cfg::kPStages; ++s) named_arrive(kBarEmpty + s, Cfg::kMmaThreads + Cfg::kScanThreads);
+#endif
+}
+
+// Writer side: wait until the scan is done with the current tile / publish it.
+template <class Cfg, class SS>
+__device__ __forceinline__ void handoff_writer_acquire(SS& ss, const HandOffState& h) {
+#if SELSCAN_HANDOFF_MBARRIER
+  ss.handoff.empty[h.stage].wait(h.phase ^ 1);  // the first round: the phase before, complete
+#else
+  (void)ss;
+  named_sync(kBarEmpty + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+#endif
+}
+template <class Cfg, class SS>
+__device__ __forceinline__ void handoff_writer_commit(SS& ss, const HandOffState& h) {
+#if SELSCAN_HANDOFF_MBARRIER
+  ss.handoff.full[h.stage].arrive();
+#else
+  (void)ss;
+  named_arrive(kBarFull + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+#endif
+}
+// Reader side: wait until the current tile is written / hand it back.
+template <class Cfg, class SS>
+__device__ __forceinline__ void handoff_reader_wait(SS& ss, const HandOffState& h) {
+#if SELSCAN_HANDOFF_MBARRIER
+  ss.handoff.full[h.stage].wait(h.phase);
+#else
+  (void)ss;
+  named_sync(kBarFull + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+#endif
+}
+template <class Cfg, class SS>
+__device__ __forceinline__ void handoff_reader_release(SS& ss, const HandOffState& h) {
+#if SELSCAN_HANDOFF_MBARRIER
+  ss.handoff.empty[h.stage].arrive();
+#else
+  (void)ss;
+  named_arrive(kBarEmpty + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+#endif
+}
+
 // kCh (1 or 2) adjacent values of the x tile / of y as float (one 2- to 8-byte access).
 template <int kCh, class T>
 __device__ __forceinline__ void load_vals(const T* p, float (&v)[kCh]) {
@@ -122,7 +210,7 @@ template <class Cfg>
 struct RoleState {
   RingState<Cfg::kStages> ring;
   cutlass::PipelineState<Cfg::kXStages> xt;
-  int pstage = 0;
+  HandOffState hand;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -427,8 +515,8 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       for (int half = 0; half < Cfg::kHalves; ++half) {
         const int64_t th = t0 + half * Cfg::kT;
         if (half > 0 && !sub_tile_live<Cfg>(p, th)) break;
-        const int ps = st.pstage;
-        named_sync(kBarEmpty + ps, Cfg::kMmaThreads + Cfg::kScanThreads);  // the scan is done with it
+        const int ps = st.hand.stage;
+        handoff_writer_acquire<Cfg>(ss, st.hand);  // the scan is done with it
         if constexpr (!Cfg::kXtWarp) {
           // float32: this scan tile's x tile. The scan releases its x stage before it frees the
           // hand-off tile, so the acquire does not wait.
@@ -471,9 +559,9 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
             *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
           }
         }
-        named_arrive(kBarFull + ps, Cfg::kMmaThreads + Cfg::kScanThreads);
+        handoff_writer_commit<Cfg>(ss, st.hand);
         if constexpr (Cfg::kNarrow) ++st.xt;
-        st.pstage = (ps + 1) % Cfg::kPStages;
+        st.hand.advance(Cfg::kPStages);
       }
     }
   }
