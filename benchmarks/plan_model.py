@@ -90,6 +90,27 @@ def plan_library(b, L, D, N, phase_cost=PHASE_COST, floor=FLOOR, tie=TIE, narrow
     return tile, ns, seg
 
 
+def read_sweep(path):
+    """{shape: {requested segments: gpu ms}} of the fused rows of a sweep CSV (docs/fwd_split_sweep.csv)."""
+    measured = defaultdict(dict)
+    with open(path, newline="") as fh:
+        for r in csv.DictReader(fh):
+            if r["path"] == "fused":
+                measured[r["shape"]][int(r["requested_segments"])] = float(r["gpu_ms"])
+    return measured
+
+
+def times_by_plan(shape, times):
+    """(b, L, D, N) and {(tile, segments, segment length): fastest gpu ms} of one swept shape: which plan
+    each forced split ran (the plan before chose the tile)."""
+    b, L, D, N = shape_dims(shape)
+    by_plan = {}
+    for req, ms in times.items():
+        key = plan_before(b, L, D, N, req)
+        by_plan[key] = min(ms, by_plan.get(key, float("inf")))
+    return (b, L, D, N), by_plan
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "..", "docs", "fwd_split_sweep.csv"))
@@ -97,20 +118,12 @@ def main(argv=None):
     ap.add_argument("--floor", type=int, default=FLOOR)
     ap.add_argument("--tie", type=float, default=TIE)
     a = ap.parse_args(argv)
-    measured = defaultdict(dict)
-    with open(a.csv, newline="") as fh:
-        for r in csv.DictReader(fh):
-            if r["path"] == "fused":
-                measured[r["shape"]][int(r["requested_segments"])] = float(r["gpu_ms"])
+    measured = read_sweep(a.csv)
     print(f"{'shape':16} {'fastest':>8} | {'before: tile x segments':>23} {'x fastest':>9} | "
           f"{'library':>10} {'x fastest':>9}")
     ratios_before, ratios_new, unmeasured = [], [], 0
     for shape, times in measured.items():
-        b, L, D, N = shape_dims(shape)
-        by_plan = {}
-        for req, ms in times.items():  # which plan each forced split ran (the plan before chose the tile)
-            key = plan_before(b, L, D, N, req)
-            by_plan[key] = min(ms, by_plan.get(key, float("inf")))
+        (b, L, D, N), by_plan = times_by_plan(shape, times)
         fastest = min(by_plan.values())
         before = times[0]
         new = plan_library(b, L, D, N, a.phase_cost, a.floor, a.tie)

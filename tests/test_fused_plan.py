@@ -21,21 +21,10 @@ SHAPES = [(b, L, D) for b in (1, 2, 3, 4, 8, 16) for L in (1, 7, 128, 256, 300, 
 def test_model_takes_the_measured_split_on_the_sweep():
     """On each shape of docs/fwd_split_sweep.csv the model's plan was among the forced splits and ran
     within 3% of the fastest (the recorded times; timing itself stays in benchmarks)."""
-    import csv
-    from collections import defaultdict
-    from shapes import shape_dims
-    measured = defaultdict(dict)
-    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "fwd_split_sweep.csv"), newline="") as fh:
-        for r in csv.DictReader(fh):
-            if r["path"] == "fused":
-                measured[r["shape"]][int(r["requested_segments"])] = float(r["gpu_ms"])
+    measured = plan_model.read_sweep(os.path.join(os.path.dirname(__file__), "..", "docs", "fwd_split_sweep.csv"))
     assert len(measured) >= 15
     for shape, times in measured.items():
-        b, L, D, N = shape_dims(shape)
-        by_plan = {}
-        for req, ms in times.items():
-            key = plan_model.plan_before(b, L, D, N, req)
-            by_plan[key] = min(ms, by_plan.get(key, float("inf")))
+        (b, L, D, N), by_plan = plan_model.times_by_plan(shape, times)
         got = by_plan.get(plan_model.plan_library(b, L, D, N))
         assert got is not None and got <= 1.03 * min(by_plan.values()), (shape, got, by_plan)
 
