@@ -143,7 +143,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       if (!sub_tile_live<Cfg>(p, t0)) continue;
       const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
       const int ps = st.hand.stage;
-      handoff_reader_wait<Cfg>(ss, st.hand);
+      handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);
       xpipe.consumer_wait(st.xt);
       const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
       // Narrow layout: (dt, dt * x) pairs; B and C by token pairs (Config::kLdBP).
@@ -295,7 +295,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       if (poly) tile_loop(cute::true_type{}); else tile_loop(cute::false_type{});
       xpipe.consumer_release(st.xt);
       ++st.xt;
-      handoff_reader_release<Cfg>(ss, st.hand);
+      handoff_arrive<Cfg, HandOff::kEmpty>(ss, st.hand);
       st.hand.advance(Cfg::kPStages);
     }
 

@@ -85,42 +85,32 @@ __device__ __forceinline__ void handoff_start_empty() {
 #endif
 }
 
-// Writer side: wait until the scan is done with the current tile / publish it.
-template <class Cfg, class SS>
-__device__ __forceinline__ void handoff_writer_acquire(SS& ss, const HandOffState& h) {
+// The two sides of a hand-off stage: "full" (the tile is written; the reader waits, the writer
+// arrives) and "empty" (the tile is read; the writer waits, the reader arrives).
+enum class HandOff { kFull, kEmpty };
+
+// Wait on one side of the current stage: the reader on kFull before it reads, the writer on kEmpty
+// before it writes (on the mbarriers, its first round waits on the phase before, already complete).
+template <class Cfg, HandOff kSide, class SS>
+__device__ __forceinline__ void handoff_wait(SS& ss, const HandOffState& h) {
 #if SELSCAN_HANDOFF_MBARRIER
-  ss.handoff.empty[h.stage].wait(h.phase ^ 1);  // the first round: the phase before, complete
+  if constexpr (kSide == HandOff::kFull) ss.handoff.full[h.stage].wait(h.phase);
+  else ss.handoff.empty[h.stage].wait(h.phase ^ 1);
 #else
   (void)ss;
-  named_sync(kBarEmpty + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+  named_sync((kSide == HandOff::kFull ? kBarFull : kBarEmpty) + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
 #endif
 }
-template <class Cfg, class SS>
-__device__ __forceinline__ void handoff_writer_commit(SS& ss, const HandOffState& h) {
+// Arrive on one side of the current stage: the writer on kFull once the tile is written, the reader
+// on kEmpty once it has read it.
+template <class Cfg, HandOff kSide, class SS>
+__device__ __forceinline__ void handoff_arrive(SS& ss, const HandOffState& h) {
 #if SELSCAN_HANDOFF_MBARRIER
-  ss.handoff.full[h.stage].arrive();
+  if constexpr (kSide == HandOff::kFull) ss.handoff.full[h.stage].arrive();
+  else ss.handoff.empty[h.stage].arrive();
 #else
   (void)ss;
-  named_arrive(kBarFull + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
-#endif
-}
-// Reader side: wait until the current tile is written / hand it back.
-template <class Cfg, class SS>
-__device__ __forceinline__ void handoff_reader_wait(SS& ss, const HandOffState& h) {
-#if SELSCAN_HANDOFF_MBARRIER
-  ss.handoff.full[h.stage].wait(h.phase);
-#else
-  (void)ss;
-  named_sync(kBarFull + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
-#endif
-}
-template <class Cfg, class SS>
-__device__ __forceinline__ void handoff_reader_release(SS& ss, const HandOffState& h) {
-#if SELSCAN_HANDOFF_MBARRIER
-  ss.handoff.empty[h.stage].arrive();
-#else
-  (void)ss;
-  named_arrive(kBarEmpty + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
+  named_arrive((kSide == HandOff::kFull ? kBarFull : kBarEmpty) + h.stage, Cfg::kMmaThreads + Cfg::kScanThreads);
 #endif
 }
 
@@ -516,7 +506,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
         const int64_t th = t0 + half * Cfg::kT;
         if (half > 0 && !sub_tile_live<Cfg>(p, th)) break;
         const int ps = st.hand.stage;
-        handoff_writer_acquire<Cfg>(ss, st.hand);  // the scan is done with it
+        handoff_wait<Cfg, HandOff::kEmpty>(ss, st.hand);  // the scan is done with it
         if constexpr (!Cfg::kXtWarp) {
           // float32: this scan tile's x tile. The scan releases its x stage before it frees the
           // hand-off tile, so the acquire does not wait.
@@ -559,7 +549,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
             *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
           }
         }
-        handoff_writer_commit<Cfg>(ss, st.hand);
+        handoff_arrive<Cfg, HandOff::kFull>(ss, st.hand);
         if constexpr (Cfg::kNarrow) ++st.xt;
         st.hand.advance(Cfg::kPStages);
       }
