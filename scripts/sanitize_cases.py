@@ -8,6 +8,7 @@ too (a tool can change timing, never results).
     python scripts/sanitize_cases.py [--quick]      # --quick: a third of the grid (racecheck)
     python scripts/sanitize_cases.py --quick --shard 2/6   # the third of the six parts of that (a slow tool
                                                            # run in parts: K/M runs the runs with index % M == K)
+    python scripts/sanitize_cases.py --rest                 # the two thirds --quick leaves out
     python scripts/sanitize_cases.py --initcheck            # what initcheck runs (below)
     python scripts/sanitize_cases.py --with fused_backward  # only the grid entries whose config sets a key
 
@@ -65,6 +66,8 @@ def _runs(args, impls):
         for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
             if args.quick and (gi + mi) % 3:
                 continue
+            if args.rest and not (gi + mi) % 3:
+                continue
             for impl in impls:
                 if impl == "unfused" and "channel_tile" in cfg:
                     continue
@@ -119,6 +122,7 @@ def _ops_without_cublas(inp, cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rest", action="store_true", help="the two thirds of the grid that --quick leaves out")
     ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
     ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
     ap.add_argument("--with", dest="with_key", default="",
