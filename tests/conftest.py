@@ -115,8 +115,9 @@ def matmul_precision(mode: str):
 
 
 def fresh_seed() -> int:
-    """A new seed for every call (fresh inputs every run), printed so that a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A new seed for every call (fresh inputs every run), printed so that a failure can be replayed:
+    SELSCAN_TEST_SEED=<seed> pytest ... -k <test> gives that test the printed seed again."""
+    seed = int(os.environ.get("SELSCAN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(seed)
     print(f"seed={seed}")
     return seed

@@ -48,8 +48,10 @@ def _run(inp, impl, config=None, backward=False, seed=0):
 
 
 def _rel_where_finite(a, b):
-    """rel_l2 over the elements where the float64 value, rounded to a's dtype, is finite."""
-    fin = torch.isfinite(b.to(a.dtype))
+    """rel_l2 over the elements where the float64 value, rounded to a's dtype, is finite and not within 2%
+    of the dtype's overflow (there either side is right: test_extreme_values_stay_finite; a float16 y of
+    65,300 in float64 came out inf from the unfused path, seed 96469712 of huge_delta, 2026-12-03)."""
+    fin = torch.isfinite(b.to(a.dtype)) & ~near_overflow(b, a.dtype, 0.02)
     return rel_l2(a[fin], b[fin])
 
 
