@@ -239,8 +239,8 @@ def _tf32_allowed() -> bool:
 def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, training: bool) -> str:
     """impl='auto' where both CUDA paths support the inputs: 'fused' or 'unfused', whichever measured
     faster on the H200 for this dtype and shape (docs/perf-notes.md, "Which path impl='auto' takes";
-    tests/test_auto_rule.py checks it against every row of the committed tables docs/ablation_table.csv
-    and docs/paper_figure.csv). A rule by regions, each drawn around measured rows:
+    tests/test_auto_rule.py checks it against every row of the committed tables docs/ablation_table.csv,
+    docs/paper_figure.csv, docs/fwd_plan_check.csv and docs/train_check.csv). A rule by regions, each drawn around measured rows:
 
     bfloat16/float16, the forward: the fused kernel (1.2-2x faster on S1-S5), except
       - D >= 2048 with at most 64 channel tiles (batch x D <= 4096): the unfused path's cuBLAS products
@@ -249,8 +249,10 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
       - one stream group of 16 channel tiles (batch x D <= 1024, D >= 1024) from L = 16384 on: the
         unfused plan's 16 segments of 32-channel items lead the fused kernel's 8 (2% at 16K, 7% at
         512K; shape P, 2026-12-03).
-    bfloat16/float16, a training step (training=True, a gradient will be asked for): as the forward
-      for D >= 2048; for one stream group of 16 channel tiles (batch x D <= 1024, D >= 1024) the
+    bfloat16/float16, a training step (training=True, a gradient will be asked for): the unfused path
+      for every D >= 2048 (its step 2-8% faster at (1, 2048, 2048), (2, 1024, 2048) and S3, where the
+      fused backward's recomputed projections cost more than the fused forward saves;
+      docs/train_check.csv, 2026-12-03); for one stream group of 16 channel tiles (batch x D <= 1024, D >= 1024) the
       unfused path for 2048 <= L < 8192 (its step measured 4% faster at P's 2K and 4K) and the fused
       one elsewhere (up to 1.2x faster from 8K on, 1.2x at 512; shape P, 2026-12-03).
     float32, matmul precision "highest" (no TF32): the fused kernel (3xTF32) only from
@@ -263,7 +265,7 @@ def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, t
     """
     tokens = batch * L
     if dtype in (torch.bfloat16, torch.float16):
-        if D >= 2048 and batch * D <= 4096:
+        if D >= 2048 and (training or batch * D <= 4096):
             return "unfused"
         if D >= 1024 and batch * D <= 1024:
             if training:

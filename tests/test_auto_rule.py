@@ -1,6 +1,6 @@
 """impl='auto''s rule (selscan_fused.api.auto_choice) against the committed measurements: on every shape
-and dtype of docs/ablation_table.csv, docs/paper_figure.csv and the plan rows of docs/fwd_plan_check.csv
-where both CUDA paths were timed, the path the rule picks is within 3% of the faster one. Runs on the
+and dtype of docs/ablation_table.csv, docs/paper_figure.csv, the plan rows of docs/fwd_plan_check.csv and
+the training steps of docs/train_check.csv where both CUDA paths were timed, the path the rule picks is within 3% of the faster one. Runs on the
 CPU: the rule is a function of dtype and shape, the timings are the tables' (measured on the H200 by
 their commands, docs/results.md). When the tables are measured again, this checks the rule against the
 new figures."""
@@ -60,18 +60,31 @@ def _plan_check_rows():
         yield f"{shape} {dt} forward (plan check)", dt, b, L, D, False, t
 
 
-ROWS = [r for r in list(_ablation_rows()) + list(_figure_rows()) + list(_plan_check_rows()) if len(r[6]) == 2]
+def _train_rows():
+    """The same from the training steps of S1-S5 and shape R (docs/train_check.csv: bench.py --train)."""
+    times = {}
+    with open(os.path.join(DOCS, "train_check.csv")) as f:
+        for r in csv.DictReader(f):
+            times.setdefault((r["shape"], r["dtype"]), {})[r["path"]] = float(r["step_ms"])
+    for (shape, dt), t in sorted(times.items()):
+        b, L, D, _ = shape_dims(shape)
+        yield f"{shape} {dt} training step", dt, b, L, D, True, t
+
+
+ROWS = [r for r in list(_ablation_rows()) + list(_figure_rows()) + list(_plan_check_rows()) + list(_train_rows())
+        if len(r[6]) == 2]
 
 
 def test_the_tables_hold_enough_rows_to_check():
     """A check over no rows would pass by itself: the tables must still hold both paths side by side."""
     assert sum(1 for r in ROWS if not r[5]) >= 40, "forward rows with both paths"
-    assert sum(1 for r in ROWS if r[5]) >= 10, "forward + backward rows with both paths"
+    assert sum(1 for r in ROWS if r[5]) >= 40, "forward + backward rows with both paths"
     # and they include the shapes the rule's exceptions were drawn from
     labels = {r[0] for r in ROWS}
     for needed in ("1x2048x2048x16 bf16 forward", "1x2048x1024x16 bf16 forward", "S3 fp32 forward",
                    "P 1x2048x1024 bf16 fwd+bwd", "P 1x65536x1024 bf16 fwd",
-                   "1x8192x2048x16 bf16 forward (plan check)"):
+                   "1x8192x2048x16 bf16 forward (plan check)", "S3 fp16 training step",
+                   "1x2048x2048x16 bf16 training step", "4x8192x1024x16 fp32-high training step"):
         assert needed in labels, needed
 
 
@@ -91,6 +104,8 @@ def test_the_rule_between_the_measured_rows():
     assert auto_choice(bf16, 4, 4096, 2048, tf32=False, training=False) == "fused"      # 128 channel tiles
     assert auto_choice(bf16, 2, 4096, 2048, tf32=False, training=False) == "unfused"    # 64
     assert auto_choice(bf16, 1, 8192, 2048, tf32=False, training=True) == "unfused"
+    assert auto_choice(bf16, 16, 8192, 2048, tf32=False, training=True) == "unfused"     # S3's step, at any batch
+    assert auto_choice(bf16, 16, 8192, 2048, tf32=False, training=False) == "fused"
     assert auto_choice(bf16, 1, 3000, 1024, tf32=False, training=False) == "fused"      # 8 segments of 384
     assert auto_choice(bf16, 1, 16384, 1024, tf32=False, training=False) == "unfused"   # 16 unfused segments
     assert auto_choice(bf16, 1, 16384, 512, tf32=False, training=False) == "fused"      # D < 1024: not measured

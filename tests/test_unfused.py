@@ -192,6 +192,9 @@ def test_auto_picks_the_fastest_supported_path():
         assert selscan_fused.resolve_impl("auto", wide, 16) == "unfused"
     wide_bf16 = torch.empty(1, 2048, 2048, device="cuda", dtype=torch.bfloat16)  # cuBLAS leads
     assert selscan_fused.resolve_impl("auto", wide_bf16, 16) == "unfused"
+    many_wide = torch.empty(4, 16, 2048, device="cuda", dtype=torch.bfloat16)  # S3's batch and D
+    assert selscan_fused.resolve_impl("auto", many_wide, 16) == fused_if_hopper
+    assert selscan_fused.resolve_impl("auto", many_wide, 16, training=True) == "unfused"  # the step: unfused
     one = torch.empty(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)  # shape P
     assert selscan_fused.resolve_impl("auto", one, 16) == fused_if_hopper
     assert selscan_fused.resolve_impl("auto", one, 16, training=True) == "unfused"
