@@ -5,6 +5,8 @@ says how cases are drawn and judged; docs/reliability.md records the runs).
     python scripts/differential.py                       # 500 cases from a fresh seed
     python scripts/differential.py --cases 2000 --seed 7
     python scripts/differential.py --seed 7 --only 123   # replay one case (the reproducer a failure prints)
+    python scripts/differential.py --seed 7 --part 2/5   # the cases whose index % 5 == 2 (a case depends on
+                                                         # (seed, index) alone: parts side by side make one run)
 
 Prints one line per failure (its reproducer and what failed) and a summary; exits 1 if any case failed.
 """
@@ -26,6 +28,7 @@ def main():
     ap.add_argument("--cases", type=int, default=500)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     ap.add_argument("--only", type=int, default=None, help="run only this case index")
+    ap.add_argument("--part", default="0/1", help="K/M: only the case indices i with i %% M == K")
     ap.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds (the summary "
                     "says how many cases ran)")
     args = ap.parse_args()
@@ -35,7 +38,10 @@ def main():
     if not impls:
         sys.exit("scripts/differential.py needs the built extension")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
-    indices = [args.only] if args.only is not None else range(args.cases)
+    k, m = (int(v) for v in args.part.split("/"))
+    if not 0 <= k < m:
+        sys.exit(f"--part {args.part}: K/M needs 0 <= K < M")
+    indices = [args.only] if args.only is not None else range(k, args.cases, m)
     print(f"seed={seed} impls={impls} cases={len(indices)} on {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}", flush=True)
     t0 = time.time()
