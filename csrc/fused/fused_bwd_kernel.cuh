@@ -261,7 +261,7 @@ __device__ __forceinline__ void bwd_scan_phase(const Args& a, typename Tr::Cfg::
       const int64_t t0 = s.t_begin + k * kT;
       const int nvalid = int(min_i64(kT, p.seqlen - t0));
       const int ps = st.hand.stage;
-      handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);                      // dt, B, C of the tile
+      handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);                              // dt, B, C of the tile
       xpipe.consumer_wait(st.xt);                                          // its x and dy
       const float* dts = &ss.dt[ps][0][0] + c;
       const float* Bs = &ss.B[ps][0][0] + n0;
