@@ -1,9 +1,9 @@
 """impl='auto''s rule (selscan_fused.api.auto_choice) against the committed measurements: on every shape
 and dtype of docs/ablation_table.csv, docs/paper_figure.csv, the plan rows of docs/fwd_plan_check.csv and
-the training steps of docs/train_check.csv where both CUDA paths were timed, the path the rule picks is within 3% of the faster one. Runs on the
-CPU: the rule is a function of dtype and shape, the timings are the tables' (measured on the H200 by
-their commands, docs/results.md). When the tables are measured again, this checks the rule against the
-new figures."""
+the training steps of docs/train_check.csv where both CUDA paths were timed, the path the rule picks is
+within 3% of the faster one. Runs on the CPU: the rule is a function of dtype and shape, the timings are
+the tables' (measured on the H200 by their commands, docs/results.md). When the tables are measured
+again, this checks the rule against the new figures."""
 import csv
 import os
 import sys
@@ -23,52 +23,46 @@ DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32
           "fp32-high": (torch.float32, True)}
 
 
-def _ablation_rows():
-    """(label, dtype name, batch, L, D, training, {path: gpu ms}) from the ablation table's forward rows."""
+def _times(name, key, keep, field="gpu_ms"):
+    """{key(row): {path: ms}} over the rows of docs/<name> that keep(row) accepts."""
     times = {}
-    with open(os.path.join(DOCS, "ablation_table.csv")) as f:
+    with open(os.path.join(DOCS, name)) as f:
         for r in csv.DictReader(f):
-            if r["path"] in ("fused", "unfused") and r["status"] == "ok":
-                times.setdefault((r["shape"], r["dtype"]), {})[r["path"]] = float(r["gpu_ms"])
-    for (shape, dt), t in sorted(times.items()):
+            if keep(r):
+                times.setdefault(key(r), {})[r["path"]] = float(r[field])
+    return sorted(times.items())
+
+
+def _by_shape(name, what, training, keep, field="gpu_ms"):
+    """(label, dtype name, batch, L, D, training, {path: ms}) of a CSV keyed by named shape and dtype."""
+    for (shape, dt), t in _times(name, lambda r: (r["shape"], r["dtype"]), keep, field):
         b, L, D, _ = shape_dims(shape)
-        yield f"{shape} {dt} forward", dt, b, L, D, False, t
+        yield f"{shape} {dt} {what}", dt, b, L, D, training, t
+
+
+def _ablation_rows():
+    """The ablation table's forward rows."""
+    return _by_shape("ablation_table.csv", "forward", False,
+                     lambda r: r["path"] in ("fused", "unfused") and r["status"] == "ok")
 
 
 def _figure_rows():
     """The same from the paper figure (shape P): forward rows, and forward + backward as training."""
-    times = {}
-    with open(os.path.join(DOCS, "paper_figure.csv")) as f:
-        for r in csv.DictReader(f):
-            if r["path"] in ("fused", "unfused") and r["status"] == "ok":
-                key = (int(r["batch"]), int(r["L"]), int(r["D"]), r["dtype"], r["mode"])
-                times.setdefault(key, {})[r["path"]] = float(r["gpu_ms"])
-    for (b, L, D, dt, mode), t in sorted(times.items()):
+    key = lambda r: (int(r["batch"]), int(r["L"]), int(r["D"]), r["dtype"], r["mode"])  # noqa: E731
+    for (b, L, D, dt, mode), t in _times("paper_figure.csv", key,
+                                         lambda r: r["path"] in ("fused", "unfused") and r["status"] == "ok"):
         yield f"P {b}x{L}x{D} {dt} {mode}", dt, b, L, D, mode == "fwd+bwd", t
 
 
 def _plan_check_rows():
     """The same from the sweep of every L split under the plans of 2026-12-03 (docs/fwd_plan_check.csv,
     bf16 forward): the rows where each path ran its own plan (requested_segments 0)."""
-    times = {}
-    with open(os.path.join(DOCS, "fwd_plan_check.csv")) as f:
-        for r in csv.DictReader(f):
-            if r["requested_segments"] == "0":
-                times.setdefault((r["shape"], r["dtype"]), {})[r["path"]] = float(r["gpu_ms"])
-    for (shape, dt), t in sorted(times.items()):
-        b, L, D, _ = shape_dims(shape)
-        yield f"{shape} {dt} forward (plan check)", dt, b, L, D, False, t
+    return _by_shape("fwd_plan_check.csv", "forward (plan check)", False, lambda r: r["requested_segments"] == "0")
 
 
 def _train_rows():
     """The same from the training steps of S1-S5 and shape R (docs/train_check.csv: bench.py --train)."""
-    times = {}
-    with open(os.path.join(DOCS, "train_check.csv")) as f:
-        for r in csv.DictReader(f):
-            times.setdefault((r["shape"], r["dtype"]), {})[r["path"]] = float(r["step_ms"])
-    for (shape, dt), t in sorted(times.items()):
-        b, L, D, _ = shape_dims(shape)
-        yield f"{shape} {dt} training step", dt, b, L, D, True, t
+    return _by_shape("train_check.csv", "training step", True, lambda r: True, field="step_ms")
 
 
 ROWS = [r for r in list(_ablation_rows()) + list(_figure_rows()) + list(_plan_check_rows()) + list(_train_rows())
