@@ -121,8 +121,9 @@ def _ops_without_cublas(inp, cfg):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rest", action="store_true", help="the two thirds of the grid that --quick leaves out")
+    third = ap.add_mutually_exclusive_group()
+    third.add_argument("--quick", action="store_true")
+    third.add_argument("--rest", action="store_true", help="the two thirds of the grid that --quick leaves out")
     ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
     ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
     ap.add_argument("--with", dest="with_key", default="",
