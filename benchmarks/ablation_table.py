@@ -10,7 +10,7 @@ unfused, fused, scan (this project's scan kernel alone on precomputed projection
 user path and scan kernel when `selective_scan_cuda` imports (benchmarks/peers.py). Columns:
 gpu ms (CUDA-graph replay, L2 flushed, median of --reps), eager ms, TFLOP/s of the necessary products
 (2 tokens D (D + 2N)), exponentials per second, GB/s (x read, y written), the share of each floor
-(floor / time: exponentials, io, GEMM; docs/perf-notes.md), the speed-up over the unfused path and over
+(floor / time: exponentials, io, GEMM; docs/perf/layer-forward.md), the speed-up over the unfused path and over
 mamba-ssm's user path, and the relative L2 error of y against float64 on the same inputs. The paths
 differ in what they round: in bf16 the fused kernel keeps the projections in float32, the unfused
 path and mamba-ssm's round them to bf16 before the scan; an ablation has to know this.

@@ -14,7 +14,7 @@ region), warm-up first, median of --reps calls. Two figures per path:
   eager ms  the plain Python call: adds the host's time when the host is slower than the GPU (tiny
             shapes), as a user calling the op eagerly sees it.
 Weights are already in x's dtype (no cast in the timed call). mamba-ssm's columns are the figures
-recorded in docs/perf-notes.md for the same H200 model.
+recorded in docs/perf/layer-forward.md for the same H200 model.
 
 --train: one training step of the layer, y = f(x); gradients of x and every parameter for a random
 dy (torch.autograd.grad, so nothing accumulates between calls), as a user trains it: float32

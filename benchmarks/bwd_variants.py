@@ -3,7 +3,7 @@ each scan layout (4 or 8 threads per channel) against the recomputation (one lib
 projections, then the standalone backward scan kernel), each the whole `fused_bwd` op (kernel, the
 partials' sums and the library products dx, dW) captured in a CUDA graph and replayed, L2 flushed,
 median of --reps; and the peak memory each allocates above its inputs. --segments times the kernel at
-each L split given (0 = its plan's own), to place the automatic mode's boundary (docs/perf-notes.md).
+each L split given (0 = its plan's own), to place the automatic mode's boundary (docs/perf/batch1.md).
 
     python benchmarks/bwd_variants.py --shapes S1,S2,S3,S4 --dtypes bf16
     python benchmarks/bwd_variants.py --shapes 1x4096x1024x16,8x2048x256x16 --segments 0,1,2,4,8 --layouts 4

@@ -7,7 +7,7 @@ figures reproduce (docs/results.md, "5. Reproducing").
 Rows are matched on the table's key columns (the paper figure: path, mode, L, batch, D, N, dtype; the
 ablation table: shape, dtype, path). For each row measured in both ("ok" status), the ratio of the new
 GPU time to the committed one; a row is within noise when that ratio is within --tol (default 10%, the
-run-to-run spread of a shared machine, docs/perf-notes.md). Also listed: rows whose status changed
+run-to-run spread of a shared machine, docs/perf/README.md). Also listed: rows whose status changed
 (one run measured, the other ran out of memory or had no peer) and rows in only one of the two.
 Exit status 0 when every row measured in both is within noise and no status changed, 1 otherwise.
 

@@ -1,4 +1,4 @@
-"""Host overhead of one eager call, beside one F.linear on the same input (docs/perf-notes.md, "Host
+"""Host overhead of one eager call, beside one F.linear on the same input (docs/perf/api-and-host.md, "Host
 overhead of an eager call").
 
     python benchmarks/overhead.py                       # S5-1 (1 x 1 x 1024, N = 16), bfloat16

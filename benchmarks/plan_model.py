@@ -1,6 +1,6 @@
 """The fused forward's L-split plan, modelled offline against the committed sweep
 (docs/fwd_split_sweep.csv, written from `benchmarks/bench.py --impls fused,unfused --segments
-0,1,2,4,8,16,32`; docs/perf-notes.md, "The batch-1 regime: the plans' L splits measured").
+0,1,2,4,8,16,32`; docs/perf/batch1.md, "The batch-1 regime: the plans' L splits measured").
 
 Two plans of csrc/fused/fused_api.cu (`fused_plan`) are restated here. The plan before 2026-12-03
 ("before"): per channel tile (64 wide or 16 narrow), the split n = min(SMs / streams, L / 512), and the

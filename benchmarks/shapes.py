@@ -1,4 +1,4 @@
-"""The named shapes, the floors and the peers' figures of docs/perf-notes.md ("Ceilings, named shapes, peers
+"""The named shapes, the floors and the peers' figures of docs/perf/layer-forward.md ("Ceilings, named shapes, peers
 and floors")."""
 from dataclasses import dataclass
 
@@ -13,13 +13,13 @@ SHAPES = {
     "S5-64": (1, 64, 1024, 16),
 }
 
-# Ceilings measured on the H200 (docs/perf-notes.md).
+# Ceilings measured on the H200 (docs/perf/layer-forward.md).
 EXP_RATE = 3.6e12        # __expf per second (MUFU)
 COPY_BW = 4.21e12        # bytes read + written per second
-# GEMM floor rates as docs/perf-notes.md takes them: bf16/fp16 on the bf16 rate, float32 on the tf32 rate.
+# GEMM floor rates as docs/perf/layer-forward.md takes them: bf16/fp16 on the bf16 rate, float32 on the tf32 rate.
 MATMUL_RATE = {"bf16": 788e12, "fp16": 788e12, "fp32-high": 434e12, "fp32": 434e12}
 
-# mamba-ssm on the same H200 model (docs/perf-notes.md; not re-measured here), in ms.
+# mamba-ssm on the same H200 model (docs/perf/layer-forward.md; not re-measured here), in ms.
 MAMBA_SCAN_ONLY = {("S1", "fp32"): 0.162, ("S1", "bf16"): 0.080, ("S2", "bf16"): 0.556,
                    ("S3", "bf16"): 1.099, ("S4", "bf16"): 0.631}
 MAMBA_USER_PATH = {("S1", "fp32"): 0.305, ("S1", "bf16"): 0.201, ("S2", "bf16"): 1.355,

@@ -21,7 +21,7 @@ FUSED_MAX_DIM = 8192
 FUSED_MAX_COUNT = 2**31  # batch and L each below this (the kernel's tile coordinates are 32-bit)
 # impl='auto' and float32 under matmul precision "highest": the fused kernel (3xTF32) from this many
 # tokens (batch x L) on; measured faster than the unfused path (full-precision cuBLAS SGEMM) on S1-S4
-# (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf-notes.md, fused v2 and v3.
+# (16K-64K tokens), slower on S5 (<= 64 tokens, launch-bound). docs/perf/layer-forward.md, fused v2 and v3.
 FUSED_FP32_MIN_TOKENS = 4096
 
 _is_sm90: dict = {}  # device index -> whether it is an sm_90 GPU (H100/H200)
@@ -48,12 +48,12 @@ class ScanConfig:
     exp_poly: impl='fused' only: one exponential in four is computed by a degree-5 polynomial exp2 on
         the FMA pipes instead of the MUFU unit (max rel. error 2.3e-7). Off by default: measured slower
         on the H200, where the fused kernel's scan is bound by instruction issue and latency, not by
-        MUFU throughput (docs/perf-notes.md).
+        MUFU throughput (docs/perf/layer-forward.md).
     ring_stages: impl='fused' only: how many stages of the kernel's operand ring (the TMA -> tensor core
         pipeline of x and weight tiles) are in use, from 2 to the deepest that fits in shared memory:
         bfloat16/float16 5 / 5 / 4 / 3 at N = 8 / 16 / 32 / 64, float32 TF32 ("high") 5 / 4 / 4 / 4,
         float32 3xTF32 ("highest") 3 / 3 / 3 / 2; a larger value is an error that names the maximum.
-        0 = all that fit, the measured default (docs/perf-notes.md, "Ablation switch: operand-ring
+        0 = all that fit, the measured default (docs/perf/layer-forward.md, "Ablation switch: operand-ring
         depth": fastest or within noise on S1-S5 in every dtype; 2 stages cost up to 1.7x on S3).
         The narrow layout (channel_tile 16) holds 7 stages and uses them all at 0; a value given
         explicitly is checked against the limits above.
@@ -64,7 +64,7 @@ class ScanConfig:
         recomputes the exponentials of every segment but the last). 0 = chosen per call by a cost
         model of the busiest CTA's scan and operand loads (csrc/fused/fused_api.cu, fused_plan): the
         narrow layout for S1-like shapes (few sequences, D up to ~512) and S5, 64 elsewhere
-        (docs/perf-notes.md, v3.7, which lists the shapes it was checked on).
+        (docs/perf/layer-forward.md, v3.7, which lists the shapes it was checked on).
     fused_backward: impl='fused' only: the backward of a training step. "kernel": the fused backward
         kernel (bfloat16/float16 with N = 16; otherwise an error in the backward), which recomputes
         the projections on the tensor cores inside the launch and needs 35-40% less memory than the
@@ -72,7 +72,7 @@ class ScanConfig:
         standalone backward scan kernel runs (every dtype and N); "auto" (default): the kernel for
         the plans where it measured faster (S1-like shapes, and few sequences at short or long L: 2
         to 16 L segments of chosen lengths, csrc/fused/fused_api.h), the recomputation elsewhere
-        (S2-S4; docs/perf-notes.md, "The fused backward's automatic rule").
+        (S2-S4; docs/perf/batch1.md, "The batch-1 regime: the plans changed").
     """
 
     l_segments: int = 0
@@ -238,7 +238,7 @@ def _tf32_allowed() -> bool:
 
 def auto_choice(dtype: torch.dtype, batch: int, L: int, D: int, *, tf32: bool, training: bool) -> str:
     """impl='auto' where both CUDA paths support the inputs: 'fused' or 'unfused', whichever measured
-    faster on the H200 for this dtype and shape (docs/perf-notes.md, "Which path impl='auto' takes";
+    faster on the H200 for this dtype and shape (docs/perf/api-and-host.md, "Which path impl='auto' takes";
     tests/test_auto_rule.py checks it against every row of the committed tables docs/ablation_table.csv,
     docs/paper_figure.csv, docs/fwd_plan_check.csv and docs/train_check.csv). A rule by regions, each drawn around measured rows:
 

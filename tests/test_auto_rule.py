@@ -93,7 +93,7 @@ def test_auto_picks_a_path_within_3_percent_of_the_fastest(label, dt, batch, L, 
 
 
 def test_the_rule_between_the_measured_rows():
-    """What the rule says where no table row sits, as docs/perf-notes.md states it."""
+    """What the rule says where no table row sits, as docs/perf/api-and-host.md states it."""
     bf16 = torch.bfloat16
     assert auto_choice(bf16, 4, 4096, 2048, tf32=False, training=False) == "fused"      # 128 channel tiles
     assert auto_choice(bf16, 2, 4096, 2048, tf32=False, training=False) == "unfused"    # 64

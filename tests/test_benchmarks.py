@@ -122,7 +122,7 @@ def test_compare_results_reads_the_committed_tables(name, capsys):
 
 def test_plan_model_reads_the_committed_sweep(capsys):
     """benchmarks/plan_model.py on docs/fwd_split_sweep.csv: the plan before 2026-12-03 as the op
-    measured it, and the library's splits (docs/perf-notes.md, the batch-1 section, quotes both means)."""
+    measured it, and the library's splits (docs/perf/batch1.md, the batch-1 section, quotes both means)."""
     import plan_model
     assert plan_model.split_lengths(1000, 3) == (3, 384)
     assert plan_model.main([]) == 0

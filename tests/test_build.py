@@ -47,7 +47,7 @@ def test_extension_errors_are_catchable():
 
 @pytest.mark.parametrize("patch", ["roles.patch", "narrow_rs.patch"])
 def test_ablation_patch_applies(patch):
-    """benchmarks/ablation/*.patch (timing-only role switches and trial layouts, docs/perf-notes.md)
+    """benchmarks/ablation/*.patch (timing-only role switches and trial layouts, docs/perf/layer-forward.md)
     must keep applying to the kernel as it changes, or the measurements they back cannot be repeated."""
     import shutil
     import subprocess

@@ -152,7 +152,7 @@ def test_fused_channel_tile_choice_and_errors():
         assert plan(x(8, 4096, 1024), 16, 0) == [1, 4096, 64]     # S2
         assert plan(x(1, 65536, 256), 16, 0)[2] == 64             # S4
         # fewer sequences: 8 segments of the wide layout fill the SMs in one phase pair cheaper than
-        # the narrow one's 64 streams (the fixed cost per phase, docs/perf-notes.md, batch-1 regime)
+        # the narrow one's 64 streams (the fixed cost per phase, docs/perf/batch1.md, batch-1 regime)
         assert plan(x(4, 2048, 256), 16, 0) == [8, 256, 64]
         assert plan(x(1, 2048, 1024), 16, 0) == [8, 256, 64]     # shape P at 2K
         assert plan(x(1, 512, 1024), 16, 0) == [1, 512, 16]      # ... at 512: one narrow phase

@@ -1,6 +1,6 @@
 """fused_bwd's automatic mode against the committed sweep (docs/fused_bwd_sweep.csv, written by
 `python benchmarks/bwd_variants.py --shapes ... --segments 0,2,4,8,16,32 --layouts 4 --csv ...`; the
-command is in docs/perf-notes.md, "The fused backward's automatic rule"): on every recorded shape the
+command is in docs/perf/batch1.md, "The batch-1 regime: the plans' L splits measured"): on every recorded shape the
 op's own choice (the fused backward kernel with its plan, or the recomputation) must be within 3% of
 the faster of the two as recorded. The rule is the op's (csrc/fused/fused_api.h), asked through
 fused_bwd_plan, so this needs the sm_90 GPU the plan is made for; timing stays in the benchmark.

@@ -1,5 +1,5 @@
 """The fused forward's automatic plan (csrc/fused/fused_api.cu, fused_plan: L split and channel tile)
-against its restatement in benchmarks/plan_model.py (plan_library), which docs/perf-notes.md ("The
+against its restatement in benchmarks/plan_model.py (plan_library), which docs/perf/batch1.md ("The
 batch-1 regime") evaluates on the committed sweep of every split (docs/fwd_split_sweep.csv). The
 plan reads the sizes only and is made for the SM count of the device, so the comparison needs the
 sm_90 GPU with the model's 132 SMs (an H200 / H100 SXM); the CPU part checks the model's own rows."""

@@ -64,7 +64,7 @@ def test_split_plan_for_few_sequences():
     (sequence, 32-channel) items leave SMs idle, the largest power of two of segments whose CTAs are
     all resident at once, in segments of one chunk (32 tokens) or more, and no split into fewer than
     4 segments (where L / 32 bounds it below 4, one segment measured faster); the splits measured fastest
-    on the H200 (docs/fwd_split_sweep.csv, docs/perf-notes.md "The batch-1 regime")."""
+    on the H200 (docs/fwd_split_sweep.csv, docs/perf/batch1.md "The batch-1 regime")."""
     plan = torch.ops.selscan_fused.scan_plan
     x = lambda b, L, D: torch.empty(1, 1, D, dtype=torch.bfloat16, device="cuda").expand(b, L, D)
     assert plan(x(4, 2048, 2048), 16, 0)[0] == 1        # 256 items: every SM has a CTA already

@@ -1,6 +1,6 @@
 // The backward scan's inner loop on one SM (H100/H200): which thread layout forms the backward's
 // per-token sums at the lowest cost. One decision: the layout of the fused backward's scan role
-// (docs/perf-notes.md, "Next: the backward's layout, modelled").
+// (docs/perf/training.md, "Next: the backward's layout, modelled").
 //
 // A thread owns KD channels x KN states (KD * KN chains); N / KN threads (adjacent lanes) share a
 // channel, 32 / (N / KN) lanes of a warp and all warps share a state. Per sub-chunk of S tokens:

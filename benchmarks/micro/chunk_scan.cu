@@ -1,6 +1,6 @@
 // The batch-1 regime's scan on one SM (H100/H200): the recurrence of a chunk of tokens split across the
 // threads of a warp, instead of L split across CTAs. One decision: whether the in-CTA token-parallel
-// layout of docs/perf-notes.md, "Next: the batch-1 regime, modelled", reaches the rate it predicts.
+// layout of docs/perf/batch1.md, "Next: the batch-1 regime, modelled", reaches the rate it predicts.
 //
 // A warp owns one channel and its 16 states for the whole sequence; lane = (token part tp, state group
 // sg), sg fastest: KN states per lane, TP = 32 / (16 / KN) token parts, chunks of TP * K tokens (lane

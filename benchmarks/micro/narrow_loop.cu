@@ -2,7 +2,7 @@
 // one warp per scheduler: the layout S1 and S5 run, Config<E, 16, false, 1, 16>) alone on every SM, and
 // variants of it, in exponentials per SM clock (clock64 around the loop; the MUFU peak is 16).
 // The bare recurrence with the same 256 chains per SM reaches 11.2 exponentials per clock
-// (scan_ceiling.cu, 2 chains per thread on 4 warps); the kernel's S1 runs at ~5 (docs/perf-notes.md,
+// (scan_ceiling.cu, 2 chains per thread on 4 warps); the kernel's S1 runs at ~5 (docs/perf/layer-forward.md,
 // v3.7 and "The narrow loop alone").
 //
 // Variants (kVar):
@@ -373,7 +373,7 @@ __device__ __forceinline__ ScanThread scan_thread(int tid) {
 // (variant 0), warps 4-7 read a separate 32 KB region in bursts of kBurst 16-byte loads per warp
 // (4 wavefronts each, conflict-free) with a __nanosleep(sleep_ns) after each burst, until the scan
 // is done: a model of the kernel's other shared-memory users (wgmma's operand reads, TMA and the
-// epilogue's writes; at S1 they take ~0.33 wavefronts per clock, docs/perf-notes.md). kPairs: the
+// epilogue's writes; at S1 they take ~0.33 wavefronts per clock, docs/perf/layer-forward.md). kPairs: the
 // hand-off tile holds (dt, dt * x) by token pairs, [token pair][channel][dt_j, dtx_j, dt_j+1,
 // dtx_j+1], so one 16-byte load serves two tokens: 26 wavefronts per warp and group of 8 tokens
 // instead of 34.
@@ -506,7 +506,7 @@ void run_products(int sms, int tokens, unsigned short* y, float* out, long long*
 // than the one-warp layout; this measures the layout's best case, beside S1's products at the pace
 // 2x the unfused path would ask (products_role 11) or at full rate (12), or alone (0). Its loop is
 // 10.5 instructions per exponential (SASS); measured: 6.67 alone, 3.53 beside the paced products
-// (docs/perf-notes.md, "The scan's products on the tensor cores", 2026-12-01).
+// (docs/perf/layer-forward.md, "The scan's products on the tensor cores", 2026-12-01).
 constexpr int kG2 = 16;
 // One level of the 16-lane reduce-scatter: reduce_scatter8's level as a template (a loop over the
 // levels is not unrolled at 16 tokens and puts v in local memory). reduce_scatter8 keeps its loop:

@@ -8,7 +8,7 @@
 // reports exponentials per SM clock (clock64 around the loop; the MUFU peak is 16, four per
 // scheduler). It bounds what any layout of the fused kernel's scan can reach. `loop64` then runs the
 // fused kernel's own loop, alone and beside a second warpgroup (kNoise, below), and `mix_beside` the
-// bare recurrence beside the products. docs/perf-notes.md, "After v3.7: the scan loop's ceiling, and
+// bare recurrence beside the products. docs/perf/layer-forward.md, "After v3.7: the scan loop's ceiling, and
 // what sharing the SM with the products costs" and "Any scan layout beside the products".
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \

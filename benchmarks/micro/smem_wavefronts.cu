@@ -1,6 +1,6 @@
 // Shared-memory wavefronts per load instruction for several lane -> address patterns (H100/H200).
 // The scan's loads of B and C are 16-byte loads whose address depends only on the thread's state
-// group; this measures what each layout costs (docs/perf-notes.md, "after v3").
+// group; this measures what each layout costs (docs/perf/layer-forward.md, "after v3").
 //
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o smem_wavefronts benchmarks/micro/smem_wavefronts.cu
 //   ncu --metrics l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum ./smem_wavefronts

@@ -26,7 +26,7 @@
 //   4: as 1, with the wait for a block's y a whole block later (just before the next block's y).
 // Timing only: the shared-memory operands hold fixed values and the block-diagonal tiles are not
 // built (the tensor cores take the same time whatever the values). Output: exponentials per SM clock
-// (MUFU peak 16) and the products' flops per SM clock. docs/perf-notes.md, "The scan's products on
+// (MUFU peak 16) and the products' flops per SM clock. docs/perf/layer-forward.md, "The scan's products on
 // the tensor cores".
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \

@@ -44,7 +44,7 @@ __device__ __forceinline__ float softplus(float v) {
   return v > 20.f ? v : (v < -4.f ? log1p_small(e) : l);
 }
 
-// The same function as max(v, 0) + log(1 + e^-|v|), with fewer selects (docs/perf-notes.md, v3.5: the
+// The same function as max(v, 0) + log(1 + e^-|v|), with fewer selects (docs/perf/layer-forward.md, v3.5: the
 // select-free form was 0.5-1.5% faster in the fused kernel's epilogue, which uses this one): log1p's
 // series for |v| > 4, where 1 + e^-|v| would round away e^-|v|'s low bits. Above v = 20 the log term is
 // below half an ulp of v. e^-|v| <= 1 cannot overflow; NaN propagates (fabsf(NaN) > 4 is false, the

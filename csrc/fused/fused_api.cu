@@ -45,7 +45,7 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
   // The L split and channel tile, by a cost model: the tokens of the busiest CTA (each phase's streams
   // spread over one persistent CTA per SM), times the larger of two per-token costs: the scan's (its
   // channels weighted by the measured cost per exponential of the layout: kFusedNarrowCost; the
-  // 64-channel layouts 1 for long streams, 1.14 for short ones, docs/perf-notes.md v3.2) and the
+  // 64-channel layouts 1 for long streams, 1.14 for short ones, docs/perf/layer-forward.md v3.2) and the
   // operand loads' (an x row and the token's share of the stacked weight tile, in
   // kFusedLoadBytesPerUnit); plus a fixed cost per grid phase.
   const double elem = p.dtype == DType::kFloat32 ? 4.0 : 2.0;
@@ -81,7 +81,7 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
   // Candidates: per allowed channel tile, no split, the largest split and every power of two below
   // it (a requested split: that one only). Among those within kFusedPlanTie of the cheapest, the one
   // with the most segments (then the cheaper): the model cannot tell such splits apart and the
-  // measured time favoured more segments (docs/perf-notes.md, the batch-1 regime).
+  // measured time favoured more segments (docs/perf/batch1.md).
   constexpr int kMaxCandidates = 2 * 10;
   FusedLaunchInfo cand[kMaxCandidates];
   double cand_cost[kMaxCandidates];

@@ -12,7 +12,7 @@ constexpr int64_t kFusedChannelTile = 64;  // channels per CTA (16 in the narrow
 constexpr int64_t kFusedMaxDim = 8192;
 // bf16/fp16 and float32 "high" with N = 16: streams (L segments) of at most this many tokens take
 // the kernel with two scan warpgroups (one channel per scan thread): bf16 9-13% faster on S1 and S5,
-// 3% slower on S2/S3 (docs/perf-notes.md, v3.2); float32 "high" S1 1.5% faster (v3.3).
+// 3% slower on S2/S3 (docs/perf/layer-forward.md, v3.2); float32 "high" S1 1.5% faster (v3.3).
 constexpr int64_t kFusedShortStream = 1024;
 // float32 under "high"/"medium": calls with at most this many outputs (batch x L x D) use 3xTF32.
 constexpr int64_t kFusedTf32MinOutputs = 65536;
@@ -23,18 +23,18 @@ inline bool fused_supports_dstate(int64_t n) { return n == 8 || n == 16 || n == 
 bool fused_available(int device);
 
 // The narrow layout (16 channels per CTA): its cost per exponential relative to the 64-channel layout's
-// on long streams, as fused_plan weighs it. Measured on the H200 (bf16, docs/perf-notes.md v3.7): 2.0
+// on long streams, as fused_plan weighs it. Measured on the H200 (bf16, docs/perf/layer-forward.md v3.7): 2.0
 // at S1 (0.063 ms narrow against 0.070 with 64 channels and L split in 4), 1.8 at S4, 2.1 at S2.
 constexpr double kFusedNarrowCost = 2.0;
 // ... and the operand bytes (x rows and weight rows, L2 -> shared memory) that cost one such unit per
 // CTA: a CTA streams every x row of its tokens once per channel tile, so at large D the narrow layout
 // is bound by L2 bandwidth (bf16: 1 x 4097 x 2048 0.274 ms narrow against 0.240 with 64 channels,
 // 2 x 4096 x 1024 0.170 against 0.164; the value puts both on the 64-channel side and keeps the
-// other shapes of docs/perf-notes.md v3.7's table on the side that measured faster).
+// other shapes of docs/perf/layer-forward.md v3.7's table on the side that measured faster).
 constexpr double kFusedLoadBytesPerUnit = 75.0;
 
 // The plan's segment floor, its fixed cost per grid phase (in the units above) and its tie band:
-// fitted on the sweep of every L split (docs/fwd_split_sweep.csv, docs/perf-notes.md "The batch-1
+// fitted on the sweep of every L split (docs/fwd_split_sweep.csv, docs/perf/batch1.md "The batch-1
 // regime"): at shape P a unit is ~1.02 ns, so a phase costs ~7.7 us; without it the model splits
 // 256-512 tokens that run faster in one segment, and the 512-token floor before it left P at 1K and
 // 2K 1.45x / 1.63x slower than 8 segments.
@@ -77,7 +77,7 @@ cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);
 bool fused_bwd_supported(DType dtype, int64_t dstate);
 
 // Scan threads per channel of the fused backward: 4 (N/4 states each, two scan warpgroups) or 8 (N/8
-// states each, four scan warpgroups); the default, chosen by measurement (docs/perf-notes.md, "Fused
+// states each, four scan warpgroups); the default, chosen by measurement (docs/perf/training.md, "Fused
 // backward v1"). The dD / db_delta partials have threads_per_channel / 2 rows per (segment, sequence).
 constexpr int kFusedBwdThreadsPerChannel = 4;
 inline bool fused_bwd_layout_ok(int64_t threads_per_channel) {
@@ -86,8 +86,8 @@ inline bool fused_bwd_layout_ok(int64_t threads_per_channel) {
 
 // L split of the fused backward (requested_segments <= 0: automatic): streams of 64 channels; where
 // they are fewer than the SMs, L is cut so that they come close to one per SM, segments of at least
-// kFusedBwdMinSegment tokens (one checkpoint interval: the sweep of 2026-12-03, docs/perf-notes.md
-// "The fused backward's automatic rule": at L = 512 the plans of 64- or 128-token segments took
+// kFusedBwdMinSegment tokens (one checkpoint interval: the sweep of 2026-12-03, docs/perf/batch1.md
+// "The batch-1 regime: the plans' L splits measured": at L = 512 the plans of 64- or 128-token segments took
 // 1.4-2.0x less time than those of the 256-token floor before it; no measured plan was slower).
 constexpr int64_t kFusedBwdMinSegment = 64;
 // fused_bwd's automatic mode takes the kernel for a plan of n_segments x seg_len tokens where the

@@ -26,7 +26,7 @@ struct Config {
   static constexpr int kN = kN_;
   static constexpr int kT = 64;                           // tokens per scan tile (hand-off stage)
   // Tokens per tensor-core tile: 128 (two wgmma M = 64 rows per K step) halves the weight bytes
-  // each token costs (docs/perf-notes.md, v3: the operand loads bound S3; v3.3: float32 "high" is
+  // each token costs (docs/perf/layer-forward.md, v3: the operand loads bound S3; v3.3: float32 "high" is
   // bound by rounding its ring stages, which 128-token tiles halve per token for the weights); 64
   // where the accumulators or the ring would not fit (N = 64; float32 N = 32; float32 "highest",
   // whose 3xTF32 products keep a second accumulator).
@@ -35,20 +35,20 @@ struct Config {
   static constexpr int kHalves = kTM / kT;               // scan tiles per tensor-core tile
   // Channels per CTA: 64, or 16 (the narrow layout, bf16/fp16 with N = 16: four times the streams, so
   // that few long sequences fill the GPU without an L split and its second pass over the exponentials;
-  // fused_plan chooses, docs/perf-notes.md v3.7).
+  // fused_plan chooses, docs/perf/layer-forward.md v3.7).
   static constexpr int kDt = kDt_;
   static_assert(kDt == 64 || kDt == 16, "channel tile of 64 or 16");
   static constexpr int kBK = 128 / int(sizeof(Element));  // K per stage: one 128-byte swizzle row
   static constexpr int kPStages =                               // dt/B/C tiles between MMA and scan
       ((k3x && kN >= 32) || (kTF32 && kN == 64)) ? 1 : 2;
   static constexpr int kXStages = 2;                           // x tiles for the scan
-  // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages (docs/perf-
-  // notes.md, v2: 7 stages instead of 4 measured 5% faster on S3 and 12% on S5, the same on S2).
+  // The operand ring takes what is left of the 227 KB of shared memory, up to 8 stages (docs/perf/
+  // layer-forward.md, v2: 7 stages instead of 4 measured 5% faster on S3 and 12% on S5, the same on S2).
   // Hand-off tiles (float32), rows padded so that the accumulator's float2 stores hit every bank once.
   // The narrow layout (kDt = 16) hands over (dt, dt * x) pairs, and B and C by token pairs
   // ([t / 2][n / 2][t % 2][n % 2], kLdBP floats per token pair): its scan threads (8 per channel) then
   // load one 8-byte value per token instead of dt and x and their product, and B or C of two tokens
-  // with one 16-byte load (docs/perf-notes.md, v3.7).
+  // with one 16-byte load (docs/perf/layer-forward.md, v3.7).
   static constexpr bool kNarrow = kDt_ == 16;
   static constexpr int kLdDt = kNarrow ? 2 * kDt_ + 8 : kDt_ + 8;
   static constexpr int kLdN = kN + (kN == 8 ? 16 : 8);
@@ -69,13 +69,13 @@ struct Config {
   static constexpr bool kRoundWarps = kTF32;
   static constexpr int kRoundThreads = 96;
   // "high": the tensor-core warpgroup rounds each stage's x tile itself, just before its products
-  // (the rounding warps only the weights): 7 warps share the rounding instead of 3 (docs/perf-notes.md,
+  // (the rounding warps only the weights): 7 warps share the rounding instead of 3 (docs/perf/layer-forward.md,
   // v3.3: the rounding warps bounded float32 "high").
   static constexpr bool kMmaRoundsX = kTF32 && !k3x;
   // Who loads the scan's x tiles (never the ring's producer, which would block on the scan between
   // two tiles' operands: measured, v3): without rounding warps, warp 1's elected lane, as soon as
   // the scan frees a stage; with them (float32), the tensor-core warpgroup's elected thread, right
-  // after the scan has freed the hand-off tile of the same scan tile (docs/perf-notes.md, v3.3).
+  // after the scan has freed the hand-off tile of the same scan tile (docs/perf/layer-forward.md, v3.3).
   static constexpr bool kXtWarp = !kRoundWarps;
 
   // Threads: warpgroup 0 loads (one elected lane of warp 0), warpgroup 1 runs the tensor cores and
@@ -83,7 +83,7 @@ struct Config {
   // which share their B and C loads, one scan warpgroup (the default). kCh = 1: one channel per
   // thread, two scan warpgroups (two scan warps per scheduler): more instructions per exponential
   // but shorter latency per tile, used for short streams (FusedParams::seg_len <= kFusedShortStream;
-  // docs/perf-notes.md, v3.2).
+  // docs/perf/layer-forward.md, v3.2).
   // kDt = 16 (narrow): one channel per thread, 8 threads per channel with 2 states each, one scan
   // warpgroup; y reduce-scattered over 8 threads (groups of 8 tokens).
   static constexpr int kCh = kCh_;               // channels per scan thread
@@ -112,7 +112,7 @@ struct Config {
 
   // The stacked weight tile [W_delta slice; W_B; W_C]: kNW rows, so that one wgmma of N = kNW per
   // K step reads the x tile once (three separate products read it three times, and the N = kN ones
-  // are shared-memory bound: docs/perf-notes.md, v2).
+  // are shared-memory bound: docs/perf/layer-forward.md, v2).
   using BlkNW = Int<kNW>;
 
   // K-major 128-byte-swizzled operand tiles, kStages deep.

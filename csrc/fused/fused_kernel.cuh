@@ -88,7 +88,7 @@ __device__ __forceinline__ float exp2_poly(float x) {
 // chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
 // the channel (3 shuffles): thread g ends with token g. The token loop is unrolled so that one
 // group's loads and exponentials overlap the previous group's chains and shuffles; shared-memory and
-// y addresses step by pointer increments (docs/perf-notes.md, v2 and v3).
+// y addresses step by pointer increments (docs/perf/layer-forward.md, v2 and v3).
 template <class Cfg, bool kFull>
 __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::XPipe& xpipe, SharedStorage<Cfg>& ss,
                                            RoleState<Cfg>& st, int64_t first, int64_t count) {
@@ -97,15 +97,15 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
   constexpr int kNS = Cfg::kNS, kQ = Cfg::kQ, kN = Cfg::kN, kT = Cfg::kT, kCh = Cfg::kCh;
   constexpr int kChains = kCh * kNS;  // recurrences per thread
   // Unrolled 4 times (2 at N = 32, 1 at N = 64, where the registers run out); 8 or 16 times overflow
-  // the instruction cache (docs/perf-notes.md, v3).
+  // the instruction cache (docs/perf/layer-forward.md, v3).
   // Narrow layout (kP = 8): groups of 8 tokens, unrolled 4 times (S1: 2 times 0.0690 ms, 4 times
-  // 0.0631, 8 times 0.0626 but S5 +5%; docs/perf-notes.md, v3.7).
+  // 0.0631, 8 times 0.0626 but S5 +5%; docs/perf/layer-forward.md, v3.7).
   constexpr int kG = Cfg::kP;  // tokens per group: one y per thread and group after the reduce-scatter
   constexpr int kTokenUnroll = kG == 8 ? 4 : (kChains <= 8 ? 4 : (kChains <= 16 ? 2 : 1));
   const int tid = threadIdx.x - 256;   // 0 .. kScanThreads-1
   // Lanes kW*q .. kW*q + kW-1 of a warp share state group q (kW = 32 / kP): a 16-byte load of B or C
   // then reads one address per quarter-warp, 2 shared-memory wavefronts instead of 4 when
-  // neighbouring lanes differ (measured with a micro-benchmark; docs/perf-notes.md); the narrow
+  // neighbouring lanes differ (measured with a micro-benchmark; docs/perf/layer-forward.md); the narrow
   // layout's 16-byte loads (two tokens' 2 states) read 8 addresses, lanes in groups of 4: 2 wavefronts.
   // The kP threads of a channel (pair) are kW lanes apart.
   static_assert(Cfg::kP == 4 || Cfg::kP == 8, "four or eight state groups per channel (pair)");
@@ -528,7 +528,7 @@ struct Launcher {
 };
 
 // bf16/fp16 and float32 TF32 ("high") with N = 16: the scan layout by stream length (two scan
-// warpgroups for streams of at most kFusedShortStream tokens; docs/perf-notes.md, v3.2 and v3.3).
+// warpgroups for streams of at most kFusedShortStream tokens; docs/perf/layer-forward.md, v3.2 and v3.3).
 // fused_max_ring_stages() reads the default Config, so both layouts must hold the same ring.
 // bf16/fp16 also have the narrow layout (16 channels per CTA, p.channel_tile == 16; fused_plan).
 template <class E>

@@ -180,7 +180,7 @@ bool fused_bwd_takes_kernel(const at::Tensor& x, int64_t batch, int64_t L, int64
   if (!supported || mode == 2 || batch == 0 || L == 0) return false;
   if (mode == 1) return true;
   // Automatic: the kernel where its plan measured faster than the recomputation (fused_api.h,
-  // fused_bwd_auto_takes_kernel; docs/perf-notes.md, "The fused backward's automatic rule").
+  // fused_bwd_auto_takes_kernel; docs/perf/batch1.md, "The batch-1 regime: the plans changed").
   FusedParams p = make_params(x, batch, L, Dm, N);
   FusedLaunchInfo plan;
   SELSCAN_CUDA_OK(fused_bwd_plan(p, 0, x.get_device(), &plan), "planning the fused backward");

@@ -308,7 +308,7 @@ __device__ __forceinline__ float tf32_remainder(float f) {
 // 1xTF32 ("high"): round to nearest in place (truncation by the tensor cores is a bias that costs ~2x the
 // error). The tensor cores read the top 19 bits only, so adding half a TF32 unit (bit 12) is the whole
 // rounding: to nearest, ties away from zero, as cvt.rna.tf32 (which also clears the low bits: one more
-// instruction per value, measured 3-10% of the float32 "high" kernel, docs/perf-notes.md v3.3). Inf and
+// instruction per value, measured 3-10% of the float32 "high" kernel, docs/perf/layer-forward.md v3.3). Inf and
 // NaN are left as they are (an add could turn a NaN into a finite value).
 __device__ __forceinline__ float tf32_round(float f) {
   return fabsf(f) < __int_as_float(0x7f800000) ? __uint_as_float(__float_as_uint(f) + 0x1000u) : f;
@@ -437,7 +437,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       if constexpr (Cfg::k3x) {
         // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
         // with float32 (round-to-nearest) adds: the tensor cores' own accumulation truncates, and
-        // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf-notes.md).
+        // over K = 2048 that bias alone exceeded the 1e-5 bound (measured; docs/perf/layer-forward.md).
         clear(acc);
         for (int k = 0; k < k_tiles; ++k) {
           const int stage = wait_operands<Cfg>(ring, ss, st.ring);

@@ -58,7 +58,7 @@ struct Traits {
   // Threads per channel: 8 (4 for N = 8), so that each thread keeps few states (kNS = 2, 2, 4, 8 for
   // N = 8, 16, 32, 64) and a CTA of 32 channels has 8 warps: the shared memory per channel and token
   // limits an SM to 2 CTAs, and with 4 threads per channel (4 warps per CTA) the scheduler had 2 warps
-  // to pick from: 43% of its cycles issued nothing (docs/perf-notes.md, backward v1).
+  // to pick from: 43% of its cycles issued nothing (docs/perf/training.md, backward v1).
   static constexpr int kP = kN == 8 ? 4 : 8;
   static constexpr int kNS = kN / kP;
   static constexpr int kDc = kN == 64 ? 16 : 32;     // channels per CTA

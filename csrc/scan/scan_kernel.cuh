@@ -394,7 +394,7 @@ struct Dispatch {
     }                                                        \
   }()
 
-// Tiling per regime, chosen by measurement on the H200 (docs/perf-notes.md, scan v2): 4 states per
+// Tiling per regime, chosen by measurement on the H200 (docs/perf/layer-forward.md, scan v2): 4 states per
 // thread (8 for N >= 32); chunks of 64 tokens when L is not split (fewer barriers per token), 32 when
 // it is (more CTAs fit an SM, and the split plan wants them resident).
 template <class T, int kN> using TraitsWhole = Traits<T, kN, (kN <= 16 ? 4 : 8), 64>;

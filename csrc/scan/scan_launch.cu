@@ -45,7 +45,7 @@ cudaError_t bwd_occupancy(DType dtype, int64_t dstate, int device, int* blocks, 
 // - one_wave (the forward): the largest power of two of segments whose CTAs all fit at once (the
 //   capacity rounded up took a second, nearly empty wave: 17 segments of 32 items where 16 measured
 //   1.14x faster at (1, 65536, 1024), 5 of 128 where 4 measured 1.22x at (4, 8192, 1024);
-//   docs/perf-notes.md, "The batch-1 regime"), with segments of one chunk or more, and no split into
+//   docs/perf/batch1.md, "The batch-1 regime"), with segments of one chunk or more, and no split into
 //   fewer than 4 (at L < 128 the second phase costs more than it saves);
 // - otherwise (the backward): the capacity rounded up, segments of at least 256 tokens so that the
 //   split's extra pass (the adjoint-only phase 1) stays small.
