@@ -48,6 +48,9 @@ def cutlass_include_dirs():
 def extension_modules():
     if os.environ.get("SELSCAN_SKIP_CUDA") == "1":
         print("selscan_fused: SELSCAN_SKIP_CUDA=1, building without the CUDA extension", file=sys.stderr)
+        # The build record says a CUDA build was made (tests/test_build.py then expects a working
+        # extension); one left from an earlier build would no longer be true.
+        (ROOT / "selscan_fused" / "_build_info.py").unlink(missing_ok=True)
         return [], {}
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension

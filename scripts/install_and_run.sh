@@ -11,12 +11,34 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_
 need() { $PY -c "import $1" 2>/dev/null || echo "$2"; }
 missing="$(need torch torch) $(need ninja ninja) $(need pytest pytest) $(need numpy numpy) $(need wheel wheel)"
 missing=$(echo $missing)
-if [ -n "$missing" ]; then $PY -m pip install $missing; fi
+if [ -n "$missing" ]; then
+  case " $missing " in
+    *" torch "*) echo "selscan_fused: installing $missing; torch comes with its CUDA libraries: a download of" \
+                      "several GB, about 5.5 GB installed." ;;
+  esac
+  $PY -m pip install $missing
+fi
+# --no-deps on purpose: the build uses only the CUTLASS C++ headers this wheel ships, not its Python
+# package, so `pip check` lists the wheel's own dependencies as missing (expected).
 $PY -c "import cutlass_library" 2>/dev/null || $PY -m pip install --no-deps nvidia-cutlass==4.2.0.0
 
 if $PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" && [ -n "${CUDA_HOME:-}" ] \
    && [ -x "$CUDA_HOME/bin/nvcc" ]; then
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e .
+  # pip's verbose output goes to the log; the terminal gets one line per compiled file
+  # (scripts/build_progress.py), and the log's tail if the build fails.
+  jobs=${MAX_JOBS:-$(nproc)}
+  log=build/install.log
+  mkdir -p build
+  echo "selscan_fused: compiling the CUDA extension (nvcc from $CUDA_HOME, $jobs parallel jobs):" \
+       "about 6-7 minutes on 2 cores, about 2 on 16."
+  echo "selscan_fused: one line per compiled file follows; the whole build output goes to $log."
+  if ! MAX_JOBS=$jobs PYTHONUNBUFFERED=1 $PY -m pip install -v --no-build-isolation --no-deps -e . 2>&1 \
+       | tee "$log" | $PY scripts/build_progress.py; then
+    echo "selscan_fused: the build failed. The end of $log:" >&2
+    tail -n 40 "$log" >&2
+    echo "selscan_fused: the whole build output is in $log." >&2
+    exit 1
+  fi
 else
   echo "selscan_fused: no CUDA toolkit (CUDA_HOME/bin/nvcc) or a CPU-only torch: installing without the" \
        "CUDA extension (impl='reference' only)." >&2

@@ -1,4 +1,5 @@
 """Shared helpers: fresh random inputs, the float64 evaluation, poisoned allocations, tolerances."""
+import importlib.util
 import os
 import sys
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.needs("cuda")
 requires_extension = pytest.mark.needs("extension")
 requires_hopper = pytest.mark.needs("hopper")  # an sm_90 GPU and the fused extension
+requires_matplotlib = pytest.mark.needs("matplotlib")  # the optional plotting extra
 
 
 def requires_gpu_memory(gib: int):
@@ -35,6 +37,8 @@ def _no_gpu_reason() -> str:
 
 def _missing(needs: set):
     """(cause, reason) of the first piece these needs lack, or None when everything is there."""
+    if "matplotlib" in needs and importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib", "no plot tests: matplotlib is an optional extra (pip install .[bench])"
     if needs & {"cuda", "hopper"} or any(n.startswith("gpu_memory") for n in needs):
         if not HAS_CUDA:
             return "gpu", _no_gpu_reason()
@@ -83,6 +87,8 @@ def pytest_runtest_setup(item):
     elif cause == "fused_extension":
         pytest.skip(reason)
     elif cause == "gpus":
+        pytest.skip(reason)
+    elif cause == "matplotlib":
         pytest.skip(reason)
     else:
         pytest.skip(reason)

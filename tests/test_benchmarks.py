@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import float64_eval, make_inputs, rel_l2
+from conftest import float64_eval, make_inputs, rel_l2, requires_matplotlib
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import paper_figure  # noqa: E402
@@ -42,8 +42,8 @@ def test_paper_figure_sweep_writes_and_resumes(tmp_path, capsys):
     assert "The paper's claims" in capsys.readouterr().out
 
 
+@requires_matplotlib
 def test_plot_from_the_csv(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install .[bench])")
     import plot_results
     out = tmp_path / "fig.csv"
     paper_figure.main(["--device", "cpu", "--min-L", "64", "--max-L", "128", "--D", "32", "--reps", "1",
@@ -52,8 +52,8 @@ def test_plot_from_the_csv(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+@requires_matplotlib
 def test_plot_of_the_ablation_table(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install .[bench])")
     import csv
 
     import ablation_table
