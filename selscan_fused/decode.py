@@ -1,0 +1,129 @@
+"""The decode step of the Mamba-1 block: one token per sequence, the states updated in place.
+
+    out = mamba_block_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_bias, conv_weight,
+                           conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, out_proj_weight,
+                           out_proj_bias, out=None)
+
+Shapes (d_inner channels, N = d_state, R = dt_rank, W = d_conv; the weights as in mamba_block, whose
+argument order they keep):
+
+    hidden_states  (batch, d_model)        the token's input
+    conv_state     (batch, d_inner, W-1)   the conv's last W-1 inputs (oldest first), in hidden_states' dtype
+                                           as mamba_block returns it; updated in place
+    ssm_state      (batch, d_inner, N)     the scan state, float32 (float64 for float64 input); updated in place
+    out            (batch, d_model)        optional output buffer (hidden_states' dtype), written in place
+
+The math (selscan_fused/block_reference.py's on a sequence of one token):
+
+    [xi | z]          = hidden_states in_proj_weight^T (+ in_proj_bias)
+    window            = [conv_state | xi]                     (batch, d_inner, W); conv_state <- window[..., 1:]
+    u                 = silu(sum_k conv_weight[:, k] window[..., k] + conv_bias)
+    [dt_low | B | C]  = u x_proj_weight^T
+    delta             = softplus(dt_low dt_proj_weight^T + dt_proj_bias)
+    ssm_state         <- exp(delta A) ssm_state + delta B u   (A = -exp(A_log); float32)
+    y                 = (sum_n ssm_state[..., n] C[n] + D u) * silu(z)
+    out               = y out_proj_weight^T (+ out_proj_bias)
+
+Dtypes as in mamba_block's CUDA path: the four products run in hidden_states' dtype (their outputs rounded
+to it, as cuBLAS writes them), the conv, softplus, the state update, the gate and every sum in float32
+(float64 for float64 input). Nothing here synchronises with the host or depends on values, and the
+states are only written in place: the step can be captured in a CUDA graph (selscan_fused.generation's
+CUDAGraphStep captures a whole model's step).
+
+This is the torch version of the step; a fused CUDA kernel is planned for the middle (conv to gate). It
+will keep this function's interface, and this version stays as its reference
+(selscan_fused.block_reference.mamba_step_ref gives the same math out of place).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["mamba_block_step"]
+
+
+def _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight, dt_proj_weight, A_log,
+           out):
+    for name, t in (("hidden_states", hidden_states), ("conv_state", conv_state), ("ssm_state", ssm_state)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"selscan_fused: hidden_states must have shape (batch, d_model) for one decode step, got "
+                         f"{tuple(hidden_states.shape)} (a sequence goes through mamba_block)")
+    batch, d_model = hidden_states.shape
+    d_inner, N = A_log.shape
+    W = conv_weight.shape[-1]
+    R = dt_proj_weight.shape[1]
+    expected = (("conv_state", conv_state, (batch, d_inner, W - 1)), ("ssm_state", ssm_state, (batch, d_inner, N)),
+                ("in_proj_weight", in_proj_weight, (2 * d_inner, d_model)),
+                ("x_proj_weight", x_proj_weight, (R + 2 * N, d_inner)))
+    for name, t, shape in expected:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {shape} (batch = {batch}, "
+                             f"d_model = {d_model} from hidden_states; d_inner = {d_inner}, d_state = {N} from A_log; "
+                             f"d_conv = {W} from conv_weight; dt_rank = {R} from dt_proj_weight)")
+    cd = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    if ssm_state.dtype != cd:
+        raise TypeError(f"selscan_fused: ssm_state must be {cd} for {hidden_states.dtype} hidden_states (it is "
+                        f"updated in place), got {ssm_state.dtype}")
+    if out is not None and (tuple(out.shape) != (batch, d_model) or out.dtype != hidden_states.dtype):
+        raise ValueError(f"selscan_fused: out must be a {hidden_states.dtype} tensor of shape {(batch, d_model)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state), ("out", out)):
+        if t is not None and t.device != hidden_states.device:
+            raise ValueError(f"selscan_fused: {name} is on {t.device} but hidden_states is on {hidden_states.device}")
+    return d_inner, N, R, W, cd
+
+
+def _cast(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def mamba_block_step(
+    hidden_states: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    in_proj_weight: torch.Tensor,
+    in_proj_bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    dt_proj_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the block (module docstring): returns out (batch, d_model) in hidden_states'
+    dtype (the `out` buffer when given) and updates conv_state and ssm_state in place."""
+    d_inner, N, R, W, cd = _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight,
+                                  dt_proj_weight, A_log, out)
+    x = hidden_states
+    xdt = x.dtype
+    xz = F.linear(x, _cast(in_proj_weight, xdt), _cast(in_proj_bias, xdt))         # (batch, 2 d_inner)
+    xi, z = xz[:, :d_inner], xz[:, d_inner:]
+    # The conv over the window [conv_state | xi]; the state keeps the newest W-1 inputs (a new tensor is
+    # built first, so the in-place write does not read what it overwrites).
+    window = torch.cat([conv_state.to(cd), xi.to(cd).unsqueeze(-1)], dim=-1)      # (batch, d_inner, W)
+    conv_state.copy_(window[..., 1:])
+    pre = (window * conv_weight.reshape(d_inner, W).to(cd)).sum(-1)
+    if conv_bias is not None:
+        pre = pre + conv_bias.to(cd)
+    u = F.silu(pre).to(xdt)                                                        # as the conv kernel writes u
+    xdbl = F.linear(u, _cast(x_proj_weight, xdt))                                  # (batch, R + 2N)
+    dt_low, Bt, Ct = xdbl[:, :R], xdbl[:, R:R + N], xdbl[:, R + N:]
+    delta = F.softplus(F.linear(dt_low, _cast(dt_proj_weight, xdt)).to(cd) + dt_proj_bias.to(cd))  # (batch, d_inner)
+    uc = u.to(cd)
+    A = -torch.exp(A_log.to(cd))                                                   # (d_inner, N)
+    ssm_state.mul_(torch.exp(delta.unsqueeze(-1) * A))
+    ssm_state.add_((delta * uc).unsqueeze(-1) * Bt.to(cd).unsqueeze(1))
+    y = torch.einsum("bdn,bn->bd", ssm_state, Ct.to(cd)) + D.to(cd) * uc
+    y = (y * F.silu(z.to(cd))).to(xdt)
+    res = F.linear(y, _cast(out_proj_weight, xdt), _cast(out_proj_bias, xdt))
+    if out is None:
+        return res
+    out.copy_(res)
+    return out

@@ -1,0 +1,213 @@
+"""Text generation with MambaLM: `generate` (all new tokens at once), `stream_generate` (one token per
+sequence at a time) and `CUDAGraphStep` (a whole decode step, embedding to logits, captured once in a
+CUDA graph and replayed).
+
+    out = generate(model, input_ids, max_new_tokens=50)                          # greedy
+    out = generate(model, input_ids, 50, do_sample=True, temperature=0.8, top_k=50, top_p=0.95,
+                   generator=torch.Generator(device).manual_seed(0))
+    for tok in stream_generate(model, input_ids, 50): ...                        # tok: (batch,)
+
+The prompt runs through the blocks' sequence path (MambaLM.prefill, impl=), each new token through the
+decode step (MambaLM.step); on CUDA the step is replayed from a CUDA graph unless cuda_graph=False.
+Sampling follows transformers: logits / temperature, then top-k (tokens below the k-th largest logit
+removed), then top-p (the smallest set of most likely tokens whose probability reaches top_p kept, at
+least one), then softmax and torch.multinomial; greedy takes the argmax (the first on ties).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["generate", "stream_generate", "CUDAGraphStep", "sample_next", "warp_logits", "prompt_batch"]
+
+
+class CUDAGraphStep:
+    """MambaLM.step(input_ids, cache) captured in a CUDA graph on static buffers:
+
+        stepper = CUDAGraphStep(model, cache)
+        logits = stepper(next_ids)      # (batch, padded vocab): the static output buffer
+
+    The graph reads the static input buffer, the model's weights and the cache's state tensors, and
+    writes the states in place and the static logits, so each call advances the cache by one token
+    exactly as model.step would. The returned logits tensor is overwritten by the next call (clone it to
+    keep it). The cache's contents are kept across construction (the warm-up steps run on a side stream,
+    as torch's CUDA-graph notes ask, on a saved copy that is written back); the graph is bound to these
+    cache tensors and this batch size, and must be rebuilt if the model's parameters are replaced
+    (in-place changes to their values are seen).
+    """
+
+    def __init__(self, model, cache, warmup_steps: int = 2):
+        if cache.device is None or cache.device.type != "cuda":
+            raise ValueError(f"selscan_fused: CUDAGraphStep needs a cache on a CUDA device, got {cache.device}")
+        self.model, self.cache = model, cache
+        dev = cache.device
+        self.input_ids = torch.zeros(cache.batch_size, dtype=torch.long, device=dev)
+        saved = [t.clone() for t in cache.tensors()]
+        with torch.no_grad(), torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(max(1, warmup_steps)):
+                    model.step(self.input_ids, cache)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model.step(self.input_ids, cache)
+            for t, s in zip(cache.tensors(), saved):
+                t.copy_(s)
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        return self.logits
+
+
+def prompt_batch(input_ids, device) -> torch.Tensor:
+    """The prompts as a (batch, L) LongTensor on `device`; a clear error for ragged or empty prompts."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2:
+            raise ValueError(f"selscan_fused: input_ids must be a (batch, L) tensor of token ids, got shape "
+                             f"{tuple(input_ids.shape)}" + (" (use input_ids[None] for one prompt)"
+                                                            if input_ids.dim() == 1 else ""))
+        ids = input_ids
+    elif isinstance(input_ids, Sequence) and input_ids and all(isinstance(p, (Sequence, torch.Tensor))
+                                                                 for p in input_ids):
+        lengths = [len(p) for p in input_ids]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"selscan_fused: the prompts have unequal lengths {lengths}; generate takes prompts of "
+                             "equal length as a (batch, L) tensor. Padding is not supported (a Mamba's state would "
+                             "absorb the pad tokens): group prompts by length or generate them one at a time")
+        ids = torch.as_tensor([list(map(int, p)) for p in input_ids], dtype=torch.long)
+    else:
+        raise TypeError("selscan_fused: input_ids must be a (batch, L) LongTensor or a list of equal-length lists of "
+                        f"token ids, got {type(input_ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {ids.dtype}")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"selscan_fused: generate needs at least one prompt of at least one token, got shape "
+                         f"{tuple(ids.shape)}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p):
+    if not do_sample:
+        return
+    if not temperature > 0:
+        raise ValueError(f"selscan_fused: temperature must be > 0 for sampling, got {temperature} "
+                         "(do_sample=False decodes greedily)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"selscan_fused: top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"selscan_fused: top_p must be in (0, 1] (1 = off), got {top_p}")
+
+
+def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling scores (float32, batch x vocab) as transformers' warpers make them: logits / temperature,
+    then top-k (scores below the k-th largest set to -inf), then top-p (sorted ascending, the tokens whose
+    cumulative probability is <= 1 - top_p set to -inf, the most likely one always kept)."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False  # keep at least one
+        scores = scores.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+    return scores
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token (batch,) from logits (batch, vocab), as transformers' generate picks it: the argmax
+    (greedy), or a draw (torch.multinomial, from `generator`) from softmax(warp_logits(...))."""
+    if not do_sample:
+        return logits.float().argmax(dim=-1)
+    probs = warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                    top_k: int = 0, top_p: float = 1.0, eos_token_id=None, pad_token_id: int | None = None,
+                    cuda_graph: bool = True, generator: torch.Generator | None = None,
+                    impl: str | None = None) -> Iterator[torch.Tensor]:
+    """An iterator over the new tokens, each (batch,) as it is made; arguments as generate's (checked
+    here, before the first token)."""
+    _check_sampling(do_sample, temperature, top_k, top_p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"selscan_fused: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    device = model.backbone.embedding.weight.device
+    ids = prompt_batch(input_ids, device)
+    rows = model.backbone.embedding.num_embeddings
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"selscan_fused: the prompts hold token ids outside the vocabulary [0, {rows}): "
+                         f"{lo if lo < 0 else hi}")
+    eos, fill = None, None
+    if eos_token_id is not None:
+        eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if eos_list:
+            eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+            fill = eos_list[0] if pad_token_id is None else int(pad_token_id)
+            if not 0 <= fill < rows:  # finished sequences are fed this token
+                what = "pad_token_id" if pad_token_id is not None else "the first eos_token_id"
+                raise ValueError(f"selscan_fused: the token finished sequences emit ({what} = {fill}) is not in the "
+                                 f"vocabulary [0, {rows})")
+    return _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, fill, cuda_graph, generator,
+                   impl)
+
+
+@torch.no_grad()
+def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, fill, cuda_graph, generator, impl):
+    if max_new_tokens == 0:
+        return
+    device = ids.device
+    batch = ids.shape[0]
+    cache = model.allocate_cache(batch)
+    logits = model.prefill(ids, cache, impl=impl)
+    if cuda_graph and device.type == "cuda":
+        stepper = CUDAGraphStep(model, cache)
+    else:
+        stepper = lambda t: model.step(t, cache)  # noqa: E731
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        tok = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
+        if eos is not None:
+            tok = torch.where(finished, torch.full_like(tok, fill), tok)
+            finished |= torch.isin(tok, eos)
+        yield tok
+        if i + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
+            return
+        logits = stepper(tok)
+
+
+def generate(model, input_ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, eos_token_id=None, pad_token_id: int | None = None,
+             cuda_graph: bool = True, generator: torch.Generator | None = None,
+             impl: str | None = None) -> torch.Tensor:
+    """Generates up to max_new_tokens tokens after each prompt: returns (batch, L + new) token ids.
+
+    input_ids: (batch, L) LongTensor (or a list of equal-length lists); prompts of unequal lengths are an
+        error (no padding: a Mamba's state would absorb the pad tokens).
+    do_sample=False: greedy. do_sample=True: temperature (> 0), top_k (0 = off), top_p (1 = off) as
+        transformers defines them; generator: the torch.Generator multinomial draws from (on the model's
+        device), for reproducible samples.
+    eos_token_id (int or list): a sequence that emits it is finished and emits pad_token_id (default: the
+        first eos id) afterwards; generation stops when every sequence has finished, so fewer than
+        max_new_tokens columns may come back.
+    cuda_graph: replay the decode step from a CUDA graph (CUDA only; ignored on the CPU).
+    impl: the blocks' path for the prompt (default the model's).
+    """
+    device = model.backbone.embedding.weight.device
+    ids = prompt_batch(input_ids, device)
+    new = list(stream_generate(model, ids, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                               top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                               cuda_graph=cuda_graph, generator=generator, impl=impl))
+    if not new:
+        return ids
+    return torch.cat([ids, torch.stack(new, dim=1)], dim=1)
