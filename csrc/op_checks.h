@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/checkpoints.h"
@@ -101,6 +102,19 @@ inline at::Tensor aligned_contiguous(const at::Tensor& t) {
   return c;
 }
 
+// A (batch, L, K) operand whose rows the scan kernels address as row (b * L + t) * stride: the tensor
+// itself when its last dimension is contiguous, its pointer and row stride 16-byte aligned and its
+// batch stride L rows (a column slice of a contiguous tensor, such as [B | C] inside x_proj's output);
+// otherwise a contiguous aligned copy. Returns (tensor, row stride in elements).
+inline std::pair<at::Tensor, int64_t> row_operand(const at::Tensor& t) {
+  const int64_t es = t.element_size();
+  if (t.dim() == 3 && t.stride(2) == 1 && (t.size(0) <= 1 || t.stride(0) == t.size(1) * t.stride(1)) &&
+      (t.stride(1) * es) % 16 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(1) >= t.size(2))
+    return {t, t.stride(1)};
+  at::Tensor c = aligned_contiguous(t);
+  return {c, c.size(-1)};
+}
+
 inline std::tuple<at::Tensor, at::Tensor> empty_result(const at::Tensor& x, int64_t batch, int64_t Dm, int64_t N,
                                                 const c10::optional<at::Tensor>& h0, bool return_final_state) {
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -130,18 +144,27 @@ inline void check_backward_args(const at::Tensor& x, const at::Tensor& dy, const
 // last 2N are filled here from bc_part (batch * L, tiles, 2N); dA_part (rows, D, N); dDdb_part
 // (2, rows', D): the sums of dy * x and of dz. Returns (dx, dA_log, dW_delta, db_delta, dW_B, dW_C, dD,
 // dh0).
+// The sums of the backward scan kernel's partials (the first half of finish_backward; the block's
+// backward stops here, its products being its own): fills dP's last 2N columns and returns
+// (dA_log, dD, db_delta).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> sum_partials(const at::Tensor& A_log, at::Tensor& dP,
+                                                                   const at::Tensor& bc_part, const at::Tensor& dA_part,
+                                                                   const at::Tensor& dDdb_part, int64_t batch,
+                                                                   int64_t L, int64_t Dm, int64_t N) {
+  dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
+  // dA_log = dA * A, A = -exp(A_log), clamped to -FLT_MAX as in the kernels (decay_rate): past
+  // A_log ~ 88.7 the decay is 0, dA is 0, and 0 * -inf would be NaN.
+  at::Tensor dA_log = dA_part.sum(0).mul_(A_log.exp().neg_().clamp_min_(-std::numeric_limits<float>::max()));
+  return {dA_log, dDdb_part[0].sum(0), dDdb_part[1].sum(0)};
+}
+
 inline std::vector<at::Tensor> finish_backward(const at::Tensor& x, const at::Tensor& W, const at::Tensor& A_log,
                                                at::Tensor& dP, at::Tensor& dx, const at::Tensor& bc_part,
                                                const at::Tensor& dA_part, const at::Tensor& dDdb_part,
                                                const at::Tensor& dh0, int64_t batch, int64_t L, int64_t Dm,
                                                int64_t N) {
   const int64_t BL = batch * L, P = Dm + 2 * N;
-  dP.narrow(2, Dm, 2 * N).copy_(bc_part.sum(1).view({batch, L, 2 * N}));
-  // dA_log = dA * A, A = -exp(A_log), clamped to -FLT_MAX as in the kernels (decay_rate): past
-  // A_log ~ 88.7 the decay is 0, dA is 0, and 0 * -inf would be NaN.
-  at::Tensor dA_log = dA_part.sum(0).mul_(A_log.exp().neg_().clamp_min_(-std::numeric_limits<float>::max()));
-  at::Tensor dD = dDdb_part[0].sum(0);
-  at::Tensor db = dDdb_part[1].sum(0);
+  auto [dA_log, dD, db] = sum_partials(A_log, dP, bc_part, dA_part, dDdb_part, batch, L, Dm, N);
   const at::Tensor dP2 = dP.view({BL, P});
   dx.view({BL, Dm}).addmm_(dP2, W);  // dx = dx_scan + dP . W
   const at::Tensor x2 = x.view({BL, Dm});

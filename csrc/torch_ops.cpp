@@ -30,17 +30,24 @@ void poison(at::Tensor& t) {
   if (g_poison_outputs.load(std::memory_order_relaxed) && t.numel() > 0) t.fill_(NAN);
 }
 
-// The scan kernel alone: proj (batch, L, D + 2N) = [delta_pre | B | C] in x's dtype.
-// ckpt: when given, (batch, ckpt_count(L), D, N) float32, filled with the forward's checkpoints.
-std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at::Tensor& x_in,
-                                            const at::Tensor& A_log, const at::Tensor& b_delta,
-                                            const at::Tensor& D, const c10::optional<at::Tensor>& h0,
-                                            bool return_final_state, int64_t l_segments, int64_t batch,
-                                            int64_t L, int64_t Dm, int64_t N, at::Tensor* ckpt = nullptr) {
+// The scan kernel on precomputed projections: delta_pre (batch, L, D) and [B | C] (batch, L, 2N) in x's
+// dtype (any row-addressable layout, row_operand). z: the block's gate (batch, L, D), or null for the
+// layer; keep_ungated: also return y before the gate (the block's training forward). ckpt: when given,
+// (batch, ckpt_count(L), D, N) float32, filled with the forward's checkpoints. Returns (y, final state,
+// y before the gate or an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
+    const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x_in, const at::Tensor& A_log,
+    const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
+    int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N, at::Tensor* ckpt = nullptr,
+    const at::Tensor* z_in = nullptr, bool keep_ungated = false) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  if (batch == 0 || L == 0) return empty_result(x_in, batch, Dm, N, h0, return_final_state);
+  if (batch == 0 || L == 0) {
+    auto [y, hT] = empty_result(x_in, batch, Dm, N, h0, return_final_state);
+    return {y, hT, at::empty({keep_ungated ? batch : 0, L, Dm}, x_in.options())};
+  }
   const at::Tensor x = aligned_contiguous(x_in);
-  const at::Tensor proj = aligned_contiguous(proj_in);
+  const auto [delta, delta_stride] = row_operand(delta_in);
+  const auto [bc, bc_stride] = row_operand(bc_in);
   const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
   at::Tensor h0_c;
   if (h0) h0_c = h0->contiguous();
@@ -48,10 +55,17 @@ std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at:
   ScanParams p;
   p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
   p.dtype = to_dtype(x.scalar_type(), "x");
-  p.proj = proj.data_ptr(); p.proj_stride = proj.size(-1);
+  p.delta = delta.data_ptr(); p.delta_stride = delta_stride;
+  p.bc = bc.data_ptr(); p.bc_stride = bc_stride;
   p.x = x.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
+  at::Tensor z;
+  if (z_in != nullptr) {
+    // The gate is read element by element: any layout whose rows are (b * L + t) * stride.
+    z = (z_in->stride(2) == 1 && (batch <= 1 || z_in->stride(0) == L * z_in->stride(1))) ? *z_in : z_in->contiguous();
+    p.z = z.data_ptr(); p.z_stride = z.stride(1);
+  }
 
   ScanLaunchInfo plan;
   SELSCAN_CUDA_OK(scan_plan(p, l_segments, x.get_device(), &plan), "planning the scan");
@@ -60,11 +74,14 @@ std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at:
   at::Tensor y = at::empty({batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
+  at::Tensor yu = at::empty({keep_ungated ? batch : 0, L, Dm}, x.options());
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   poison(y);
   poison(hT);
+  poison(yu);
   p.y = y.data_ptr();
+  p.y_ungated = keep_ungated ? yu.data_ptr() : nullptr;
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   if (ckpt != nullptr) {
@@ -72,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> run_scan(const at::Tensor& proj_in, const at:
     p.ckpt = ckpt->data_ptr<float>();
   }
   SELSCAN_CUDA_OK(scan_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the scan kernel launch");
-  return {y, hT};
+  return {y, hT, yu};
 }
 
 void check_scan_envelope(int64_t Dm, int64_t N) {
@@ -90,7 +107,9 @@ std::tuple<at::Tensor, at::Tensor> scan_fwd(const at::Tensor& proj, const at::Te
   auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
   check_tensor(proj, "proj", x, {batch, L, Dm + 2 * N}, x.scalar_type());
   check_scan_envelope(Dm, N);
-  return run_scan(proj, x, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N);
+  auto [y, hT, unused] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
+                                  return_final_state, l_segments, batch, L, Dm, N);
+  return {y, hT};
 }
 
 // The unfused path: one library matrix product for [delta_pre | B | C], then the scan kernel. Returns
@@ -108,7 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unfused_forward(
   // cuBLAS, following torch.get_float32_matmul_precision() for float32.
   const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);                                    // (D + 2N, D)
   const at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
-  auto [y, hT] = run_scan(proj, x, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N, ckpt);
+  auto [y, hT, unused] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
+                                  return_final_state, l_segments, batch, L, Dm, N, ckpt);
   return {y, hT, proj};
 }
 
@@ -130,6 +150,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unfused_fwd_res(
   at::Tensor ckpt;
   auto [y, hT, proj] = unfused_forward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, true, l_segments, &ckpt);
   return {y, hT, proj, ckpt};
+}
+
+// The backward scan kernel on the forward's projections (delta_pre (batch, L, D) and [B | C]
+// (batch, L, 2N), any row-addressable layout), shared by the layer's and the block's backward. dP
+// (batch, L, D + 2N) gets the gradient of delta_pre in its first D columns (sum_partials fills the
+// rest); dx the scan's own part of the gradient of x, dt * sum_n g * B + D * dy.
+struct ScanBwdOut {
+  at::Tensor dP, dx, bc_part, dA_part, dDdb_part, dh0;
+};
+
+ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x,
+                        const at::Tensor& A_c, const at::Tensor& b_delta, const at::Tensor& D,
+                        const at::Tensor& dy_in, const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt_in,
+                        int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
+  const auto fopt = x.options().dtype(at::kFloat);
+  const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
+  const at::Tensor ckpt = ckpt_in.contiguous();
+  const at::Tensor b_c = b_delta.contiguous(), D_c = D.contiguous();
+  const auto [delta, delta_stride] = row_operand(delta_in);
+  const auto [bc, bc_stride] = row_operand(bc_in);
+  at::Tensor dhT_c;
+  if (dhT) dhT_c = dhT->to(at::kFloat).contiguous();
+
+  ScanBwdParams p;
+  p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
+  p.dtype = to_dtype(x.scalar_type(), "x");
+  p.delta = delta.data_ptr(); p.delta_stride = delta_stride;
+  p.bc = bc.data_ptr(); p.bc_stride = bc_stride;
+  p.x = x.data_ptr(); p.dy = dy.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
+  p.ckpt = ckpt.data_ptr<float>();
+  ScanBwdLaunchInfo plan;
+  SELSCAN_CUDA_OK(scan_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the backward scan");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
+  const int64_t n_tiles = (Dm + plan.channel_tile - 1) / plan.channel_tile;
+  const int64_t rows = plan.n_segments * batch;
+
+  ScanBwdOut r;
+  r.dP = at::empty({batch, L, Dm + 2 * N}, x.options());
+  r.dx = at::empty({batch, L, Dm}, x.options());
+  r.bc_part = at::empty({batch * L, n_tiles, 2 * N}, fopt);
+  r.dA_part = at::empty({rows, Dm, N}, fopt);
+  r.dDdb_part = at::empty({2, rows * plan.rows_per_col, Dm}, fopt);
+  r.dh0 = at::empty({batch, Dm, N}, fopt);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
+  at::Tensor ws = at::empty({ws_floats}, fopt);
+  for (at::Tensor* t : {&r.dP, &r.dx, &r.bc_part, &r.dA_part, &r.dDdb_part, &r.dh0}) poison(*t);
+  p.dP = r.dP.data_ptr(); p.dx = r.dx.data_ptr();
+  p.bc_partial = r.bc_part.data_ptr<float>(); p.dA_partial = r.dA_part.data_ptr<float>();
+  p.dD_partial = r.dDdb_part[0].data_ptr<float>(); p.db_partial = r.dDdb_part[1].data_ptr<float>();
+  p.dh0 = r.dh0.data_ptr<float>();
+  p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(scan_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the backward scan launch");
+  return r;
 }
 
 // One backward of the layer (both paths): the backward scan kernel, then the library products
@@ -155,45 +230,60 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
             at::zeros_like(b_delta), at::zeros_like(W_B), at::zeros_like(W_C), at::zeros_like(D), dh0};
   }
   const at::Tensor x = aligned_contiguous(x_in);
-  const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
-  const at::Tensor ckpt = ckpt_in.contiguous();
-  const at::Tensor A_c = A_log.contiguous(), b_c = b_delta.contiguous(), D_c = D.contiguous();
-  at::Tensor dhT_c;
-  if (dhT) dhT_c = dhT->to(at::kFloat).contiguous();
-  const int64_t BL = batch * L, P = Dm + 2 * N;
+  const at::Tensor A_c = A_log.contiguous();
   const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);  // (D + 2N, D)
-  const at::Tensor proj = proj_in ? aligned_contiguous(*proj_in) : at::mm(x.view({BL, Dm}), W.t());
+  const at::Tensor proj = proj_in ? aligned_contiguous(*proj_in)
+                                  : at::mm(x.view({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
+  ScanBwdOut r = run_scan_bwd(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_c, b_delta, D, dy_in, dhT,
+                              ckpt_in, l_segments, batch, L, Dm, N);
+  return finish_backward(x, W, A_c, r.dP, r.dx, r.bc_part, r.dA_part, r.dDdb_part, r.dh0, batch, L, Dm, N);
+}
 
-  ScanBwdParams p;
-  p.batch = batch; p.seqlen = L; p.dim = Dm; p.dstate = N;
-  p.dtype = to_dtype(x.scalar_type(), "x");
-  p.proj = proj.data_ptr(); p.x = x.data_ptr(); p.dy = dy.data_ptr();
-  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
-  p.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
-  p.ckpt = ckpt.data_ptr<float>();
-  ScanBwdLaunchInfo plan;
-  SELSCAN_CUDA_OK(scan_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the backward scan");
-  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
-  const int64_t n_tiles = (Dm + plan.channel_tile - 1) / plan.channel_tile;
-  const int64_t rows = plan.n_segments * batch;
+// The Mamba-1 block's unfused scan (selscan_fused/block.py): delta_pre from dt_proj's product and
+// [B | C] from x_proj's output (library products, made by the caller), u the conv's output and z the
+// gate, both (batch, L, d_inner). y = (scan + D * u) * silu(z). training: also return the checkpoints
+// and y before the gate, which the backward (scan_bwd and the gate's derivative) needs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_scan_fwd(
+    const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& u, const at::Tensor& z, const at::Tensor& A_log,
+    const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
+    bool training, int64_t l_segments) {
+  auto [batch, L, Dm, N] = check_common(u, A_log, b_delta, D, h0);
+  check_tensor(delta, "delta", u, {batch, L, Dm}, u.scalar_type(), " (dt_proj's output, shaped as u)");
+  check_tensor(bc, "bc", u, {batch, L, 2 * N}, u.scalar_type(), " ([B | C] of x_proj's output; N from A_log)");
+  check_tensor(z, "z", u, {batch, L, Dm}, u.scalar_type(), " (the gate, shaped as u)");
+  check_scan_envelope(Dm, N);
+  const c10::cuda::CUDAGuard guard(u.device());
+  at::Tensor ckpt = at::empty({training ? batch : 0, ckpt_count(L), Dm, N}, u.options().dtype(at::kFloat));
+  auto [y, hT, yu] = run_scan(delta, bc, u, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N,
+                              training ? &ckpt : nullptr, &z, training);
+  return {y, hT, ckpt, yu};
+}
 
-  at::Tensor dP = at::empty({batch, L, P}, x.options());
-  at::Tensor dx = at::empty({batch, L, Dm}, x.options());
-  at::Tensor bc_part = at::empty({BL, n_tiles, 2 * N}, fopt);
-  at::Tensor dA_part = at::empty({rows, Dm, N}, fopt);
-  at::Tensor dDdb_part = at::empty({2, rows * plan.rows_per_col, Dm}, fopt);
-  at::Tensor dh0 = at::empty({batch, Dm, N}, fopt);
-  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
-  at::Tensor ws = at::empty({ws_floats}, fopt);
-  for (at::Tensor* t : {&dP, &dx, &bc_part, &dA_part, &dDdb_part, &dh0}) poison(*t);
-  p.dP = dP.data_ptr(); p.dx = dx.data_ptr();
-  p.bc_partial = bc_part.data_ptr<float>(); p.dA_partial = dA_part.data_ptr<float>();
-  p.dD_partial = dDdb_part[0].data_ptr<float>(); p.db_partial = dDdb_part[1].data_ptr<float>();
-  p.dh0 = dh0.data_ptr<float>();
-  p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
-  SELSCAN_CUDA_OK(scan_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the backward scan launch");
-
-  return finish_backward(x, W, A_c, dP, dx, bc_part, dA_part, dDdb_part, dh0, batch, L, Dm, N);
+// The backward scan kernel alone on the forward's projections (the block's backward; its products
+// are the caller's). Returns (dP (batch, L, D + 2N) = [d delta_pre | dB | dC], dx (the scan's own part,
+// dt * sum_n g * B + D * dy), dA_log, db_delta, dD, dh0).
+std::vector<at::Tensor> scan_bwd(const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x,
+                                 const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,
+                                 const c10::optional<at::Tensor>& h0, const at::Tensor& dy,
+                                 const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt, int64_t l_segments) {
+  auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
+  check_tensor(delta, "delta", x, {batch, L, Dm}, x.scalar_type(), " (dt_proj's output, shaped as x)");
+  check_tensor(bc, "bc", x, {batch, L, 2 * N}, x.scalar_type(), " ([B | C]; N from A_log)");
+  check_scan_envelope(Dm, N);
+  check_backward_args(x, dy, dhT, ckpt, batch, L, Dm, N);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  if (batch == 0 || L == 0) {
+    const auto fopt = x.options().dtype(at::kFloat);
+    at::Tensor dh0 = dhT ? dhT->to(at::kFloat).clone(at::MemoryFormat::Contiguous) : at::zeros({batch, Dm, N}, fopt);
+    return {at::zeros({batch, L, Dm + 2 * N}, x.options()), at::zeros({batch, L, Dm}, x.options()),
+            at::zeros_like(A_log), at::zeros_like(b_delta), at::zeros_like(D), dh0};
+  }
+  const at::Tensor xc = aligned_contiguous(x);
+  const at::Tensor A_c = A_log.contiguous();
+  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, l_segments, batch, L, Dm, N);
+  auto [dA_log, dD, db] = sum_partials(A_c, r.dP, r.bc_part, r.dA_part, r.dDdb_part, batch, L, Dm, N);
+  return {r.dP, r.dx, dA_log, db, dD, r.dh0};
 }
 
 // [n_segments, seg_len] the scan kernel would use for x's shape (for tests and benchmarks).
@@ -225,6 +315,11 @@ TORCH_LIBRARY(selscan_fused, m) {
         "Tensor D, Tensor? h0, int l_segments) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("unfused_bwd(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, Tensor dy, Tensor? dhT, Tensor? proj, Tensor ckpt, int l_segments) -> Tensor[]");
+  // The Mamba-1 block's unfused path (selscan_fused/block.py): the gated scan and the backward scan alone.
+  m.def("gated_scan_fwd(Tensor delta, Tensor bc, Tensor u, Tensor z, Tensor A_log, Tensor b_delta, Tensor D, "
+        "Tensor? h0, bool return_final_state, bool training, int l_segments) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("scan_bwd(Tensor delta, Tensor bc, Tensor x, Tensor A_log, Tensor b_delta, Tensor D, Tensor? h0, "
+        "Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments) -> Tensor[]");
   // Test hook: NaN-fill the outputs before every launch (off by default).
   m.def("set_poison_outputs(bool enable) -> ()", &selscan::set_poison_outputs);
 }
@@ -235,6 +330,8 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("scan_plan", &selscan::scan_plan_op);
   m.impl("unfused_fwd_res", &selscan::unfused_fwd_res);
   m.impl("unfused_bwd", &selscan::unfused_bwd);
+  m.impl("gated_scan_fwd", &selscan::gated_scan_fwd);
+  m.impl("scan_bwd", &selscan::scan_bwd);
 }
 
 // CPU tensors reach the same functions so that the error says what to do instead of "no CPU kernel".
@@ -244,4 +341,6 @@ TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("scan_plan", &selscan::scan_plan_op);
   m.impl("unfused_fwd_res", &selscan::unfused_fwd_res);
   m.impl("unfused_bwd", &selscan::unfused_bwd);
+  m.impl("gated_scan_fwd", &selscan::gated_scan_fwd);
+  m.impl("scan_bwd", &selscan::scan_bwd);
 }

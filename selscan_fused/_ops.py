@@ -139,6 +139,62 @@ if extension_available():
     torch.library.register_autograd("selscan_fused::scan_fwd", _no_backward, setup_context=_no_setup)
 
 
+def _gated_scan_setup(ctx, inputs, output):
+    """gated_scan_fwd: keep what scan_bwd and the gate's derivative need."""
+    delta, bc, u, z, A_log, b_delta, D, h0, _, training, l_segments = inputs
+    _, _, ckpt, y_ungated = output
+    ctx.training = training
+    ctx.l_segments = l_segments
+    ctx.save_for_backward(delta, bc, u, z, A_log, b_delta, D, h0, ckpt, y_ungated)
+    ctx.set_materialize_grads(False)
+
+
+def _gated_scan_backward(ctx, dy, dhT, *unused):
+    """The gate's derivative elementwise, then the backward scan kernel (scan_bwd):
+    y = yu * silu(z): dyu = dy * silu(z), dz = dy * yu * silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)."""
+    if not ctx.training:
+        raise RuntimeError("selscan_fused: gated_scan_fwd was called with training=False and keeps nothing for "
+                           "a backward; call it with training=True (selscan_fused.mamba_block does)")
+    delta, bc, u, z, A_log, b_delta, D, h0, ckpt, yu = ctx.saved_tensors
+    Dm = u.shape[-1]
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    if dy is None:
+        dyu = torch.zeros_like(u)
+        dz = torch.zeros_like(z)
+    else:
+        zf = z.float()
+        s = torch.sigmoid(zf)
+        dyf = dy.float()
+        dyu = (dyf * zf * s).to(u.dtype)
+        dz = (dyf * yu.float() * s * (1 + zf * (1 - s))).to(z.dtype)
+    dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b_delta, D, h0, dyu, dhT,
+                                                                    ckpt, ctx.l_segments)
+    return (dP[..., :Dm], dP[..., Dm:], du, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
+
+
+if extension_available():
+
+    @torch.library.register_fake("selscan_fused::gated_scan_fwd")
+    def _gated_scan_fwd_fake(delta, bc, u, z, A_log, b_delta, D, h0, return_final_state, training, l_segments):
+        y, h = _fake_outputs(u, A_log, return_final_state)
+        batch, L, Dm = u.shape
+        ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
+                                                                  A_log.shape[1]), dtype=torch.float32)
+        yu = u.new_empty((batch if training else 0, L, Dm))
+        return y, h, ckpt, yu
+
+    @torch.library.register_fake("selscan_fused::scan_bwd")
+    def _scan_bwd_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, l_segments):
+        batch, L, Dm = x.shape
+        N = A_log.shape[1]
+        return [x.new_empty((batch, L, Dm + 2 * N)), x.new_empty((batch, L, Dm)), torch.empty_like(A_log),
+                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((batch, Dm, N), dtype=torch.float32)]
+
+    torch.library.register_autograd("selscan_fused::gated_scan_fwd", _gated_scan_backward,
+                                    setup_context=_gated_scan_setup)
+
+
 if fused_extension_available():
 
     @torch.library.register_fake("selscan_fused::fused_fwd")

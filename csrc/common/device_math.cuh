@@ -64,6 +64,11 @@ __device__ __forceinline__ float decay_rate(float A_log, float scale) {
   return a < -3.402823466e38f ? -3.402823466e38f : a;
 }
 
+// silu(v) = v * sigmoid(v), the Mamba-1 block's gate (and its conv's activation). __expf: MUFU.EX2 and a
+// multiply; e^-v overflows to inf for v < -88.7, where 1 / inf = 0 gives silu = -0.0, as the exact value
+// rounds to in float32. NaN propagates.
+__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+
 template <class T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }

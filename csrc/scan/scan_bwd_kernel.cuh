@@ -1,7 +1,7 @@
 // The backward scan kernel (both paths' backward; the math is docs/math.md, "The backward pass").
 //
-// Reads proj = [delta_pre | B | C], x, dy, the per-channel parameters, the gradient of the final
-// state and the forward's checkpoints (the state entering every kT-th token); writes dz (the gradient
+// Reads delta_pre and [B | C] (the layer's proj, or the block's dt_proj and x_proj outputs), x, dy,
+// the per-channel parameters, the gradient of the final state and the forward's checkpoints (the state entering every kT-th token); writes dz (the gradient
 // of delta_pre) into dP, the scan's own part of dx, per-tile partial sums of dB and dC, and per-item
 // partial sums of dA, dD and db_delta. Everything that is summed over channels, tokens or sequences
 // leaves the kernel as partials summed afterwards in a fixed order: no atomics, bitwise deterministic.
@@ -146,8 +146,8 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
   constexpr int kDcV = Tr::kDc / Tr::kVec, kBcV = 2 * Tr::kN / Tr::kVec;
   static_assert(Tr::kThreads % kDcV == 0 && Tr::kThreads % kBcV == 0, "tiling");
   const int tid = threadIdx.x;
-  const int64_t stride = p.dim + 2 * p.dstate;
-  const T* proj = static_cast<const T*>(p.proj) + row0 * stride;
+  const T* delta = static_cast<const T*>(p.delta) + row0 * p.delta_stride;
+  const T* bc = static_cast<const T*>(p.bc) + row0 * p.bc_stride;
   const T* x = static_cast<const T*>(p.x) + row0 * p.dim;
   const T* dy = static_cast<const T*>(p.dy) + row0 * p.dim;
   const int vec = tid % kDcV;
@@ -156,7 +156,7 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
 #pragma unroll
     for (int t = tid / kDcV; t < Tr::kT; t += Tr::kThreads / kDcV) {
       if (t < nvalid) {
-        cp_async_16(&r.delta[t][vec * Tr::kVec], proj + int64_t(t) * stride + dcol);
+        cp_async_16(&r.delta[t][vec * Tr::kVec], delta + int64_t(t) * p.delta_stride + dcol);
         cp_async_16(&r.dy[t][vec * Tr::kVec], dy + int64_t(t) * p.dim + dcol);
         if (kFull) cp_async_16(&r.x[t][vec * Tr::kVec], x + int64_t(t) * p.dim + dcol);
       }
@@ -165,7 +165,7 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
   const int bvec = tid % kBcV;
 #pragma unroll
   for (int t = tid / kBcV; t < Tr::kT; t += Tr::kThreads / kBcV)
-    if (t < nvalid) cp_async_16(&r.bc[t][bvec * Tr::kVec], proj + int64_t(t) * stride + p.dim + bvec * Tr::kVec);
+    if (t < nvalid) cp_async_16(&r.bc[t][bvec * Tr::kVec], bc + int64_t(t) * p.bc_stride + bvec * Tr::kVec);
 }
 
 // (prep) of one chunk from the raw buffer; padding tokens and channels get dt = 0, dy = x = 0 and

@@ -18,7 +18,10 @@ struct ScanBwdParams {
   DType dtype = DType::kFloat32;  // element type of proj, x, dy, dP and dx
 
   // Inputs. Token r = b * seqlen + t is row r of proj, x, dy, dP and dx.
-  const void* __restrict__ proj = nullptr;  // (batch*seqlen, dim + 2N): [delta_pre | B | C]
+  const void* __restrict__ delta = nullptr;  // (batch*seqlen, delta_stride): delta_pre in columns [0, dim)
+  int64_t delta_stride = 0;
+  const void* __restrict__ bc = nullptr;     // (batch*seqlen, bc_stride): [B | C] in columns [0, 2N)
+  int64_t bc_stride = 0;                     // (16-byte aligned pointers and strides, as in ScanParams)
   const void* __restrict__ x = nullptr;     // (batch*seqlen, dim)
   const void* __restrict__ dy = nullptr;    // (batch*seqlen, dim): the gradient of y
   const float* __restrict__ A_log = nullptr;    // (dim, N)

@@ -1,7 +1,9 @@
 // The standalone scan kernel of the unfused path.
 //
-// Reads proj = [delta_pre | B | C] (one row per token, written by a library matrix product), x and the
-// per-channel parameters; writes y and the final state. float32 state and arithmetic for every dtype.
+// Reads delta_pre and [B | C] (one row per token, written by library matrix products: the layer's
+// proj = [delta_pre | B | C], or the block's dt_proj and x_proj outputs), x and the per-channel
+// parameters; writes y (gated by silu(z) for the block) and the final state. float32 state and
+// arithmetic for every dtype.
 //
 // Work decomposition
 //   CTA = 128 threads = kDc channels x kP threads per channel; thread (c, g) owns channel c and the kNS
@@ -124,7 +126,8 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
                                            const Roles<Tr>& ro, int64_t row0, int nvalid, int64_t d0) {
   using T = typename Tr::T;
   using R = Roles<Tr>;
-  const T* proj = static_cast<const T*>(p.proj) + row0 * p.proj_stride;
+  const T* delta = static_cast<const T*>(p.delta) + row0 * p.delta_stride;
+  const T* bc = static_cast<const T*>(p.bc) + row0 * p.bc_stride;
   const T* x = static_cast<const T*>(p.x) + row0 * p.dim;
   const int64_t dcol = d0 + int64_t(ro.ld_vec) * Tr::kVec;
   if (ro.ld_valid) {
@@ -132,16 +135,16 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
     for (int k = 0; k < R::kLdIters; ++k) {
       const int t = ro.ld_row + k * (Tr::kThreads / R::kDcV);
       if (t < nvalid) {
-        cp_async_16(&r.delta[t][ro.ld_vec * Tr::kVec], proj + int64_t(t) * p.proj_stride + dcol);
+        cp_async_16(&r.delta[t][ro.ld_vec * Tr::kVec], delta + int64_t(t) * p.delta_stride + dcol);
         cp_async_16(&r.x[t][ro.ld_vec * Tr::kVec], x + int64_t(t) * p.dim + dcol);
       }
     }
   }
-  const int64_t bcol = p.dim + int64_t(ro.bc_vec) * Tr::kVec;
+  const int64_t bcol = int64_t(ro.bc_vec) * Tr::kVec;
 #pragma unroll
   for (int k = 0; k < R::kBcIters; ++k) {
     const int t = ro.bc_row + k * (Tr::kThreads / R::kBcV);
-    if (t < nvalid) cp_async_16(&r.bc[t][ro.bc_vec * Tr::kVec], proj + int64_t(t) * p.proj_stride + bcol);
+    if (t < nvalid) cp_async_16(&r.bc[t][ro.bc_vec * Tr::kVec], bc + int64_t(t) * p.bc_stride + bcol);
   }
 }
 
@@ -255,10 +258,15 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
 
     if (kFull) {
       __syncthreads();  // (C)
-      // (store) y = D*x + sum of the partials; consecutive threads take consecutive channels.
+      // (store) y = D*x + sum of the partials, times silu(z) under the block's gate; consecutive threads
+      // take consecutive channels.
       T* y = static_cast<T*>(p.y) + (row_base + t0) * p.dim + it.d0;
       if (ro.col_valid) {
         const float dsk = s.Dskip[ro.el_col];
+        const bool gate = p.z != nullptr;
+        const T* z = gate ? static_cast<const T*>(p.z) + (row_base + t0) * p.z_stride + it.d0 : nullptr;
+        T* yu = static_cast<T*>(p.y_ungated);
+        if (yu != nullptr) yu += (row_base + t0) * p.dim + it.d0;
 #pragma unroll
         for (int kk = 0; kk < Tr::kT * Tr::kDc / Tr::kThreads; ++kk) {
           const int t = ro.el_row + kk * (Tr::kThreads / Tr::kDc);
@@ -266,6 +274,10 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
             float acc = dsk * to_float(r.x[t][ro.el_col]);
 #pragma unroll
             for (int gg = 0; gg < Tr::kP; ++gg) acc += s.yp[t][ro.el_col][gg];
+            if (gate) {
+              if (yu != nullptr) yu[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
+              acc *= silu(to_float(z[int64_t(t) * p.z_stride + ro.el_col]));
+            }
             y[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
           }
         }

@@ -1,8 +1,10 @@
 // Parameters of the standalone scan kernel of the unfused path (csrc/scan/scan_kernel.cuh).
 //
-// The unfused path computes proj = x . [W_delta; W_B; W_C]^T with one library matrix product, so that
-// each token's row of `proj` holds [delta_pre (dim) | B (dstate) | C (dstate)]. The scan kernel reads
-// that buffer, x and the per-channel parameters and writes y and (optionally) the final state.
+// The layer's unfused path computes proj = x . [W_delta; W_B; W_C]^T with one library matrix product, so
+// that each token's row of `proj` holds [delta_pre (dim) | B (dstate) | C (dstate)]; the Mamba-1 block's
+// has delta_pre from dt_proj's product and [B | C] inside x_proj's output [dt_low | B | C]. The scan
+// kernel reads delta_pre and [B | C] through their own pointers and row strides, x and the per-channel
+// parameters, and writes y (the block's: gated by silu(z)) and (optionally) the final state.
 // Every offset is computed in 64 bits; counts are in elements.
 #pragma once
 #include <cstdint>
@@ -21,16 +23,26 @@ struct ScanParams {
   DType dtype = DType::kFloat32;  // element type of proj, x and y
 
   // Inputs. Token r = b * seqlen + t is row r of proj, x and y.
-  const void* __restrict__ proj = nullptr;  // (batch*seqlen, proj_stride): [delta_pre | B | C], dtype
-  int64_t proj_stride = 0;                  // elements between consecutive rows of proj (>= dim + 2N)
+  const void* __restrict__ delta = nullptr;  // (batch*seqlen, delta_stride): delta_pre in columns [0, dim), dtype
+  int64_t delta_stride = 0;                  // elements between consecutive rows of delta (>= dim)
+  const void* __restrict__ bc = nullptr;     // (batch*seqlen, bc_stride): [B | C] in columns [0, 2N), dtype
+  int64_t bc_stride = 0;                     // elements between consecutive rows of bc (>= 2N)
+  // delta, bc, their strides (and z's) are 16-byte aligned (the loads are 16-byte cp.async).
   const void* __restrict__ x = nullptr;     // (batch*seqlen, dim), rows contiguous, dtype
   const float* __restrict__ A_log = nullptr;    // (dim, dstate); A = -exp(A_log)
   const float* __restrict__ b_delta = nullptr;  // (dim,), added to delta_pre before softplus
   const float* __restrict__ D = nullptr;        // (dim,), skip connection
   const float* __restrict__ h0 = nullptr;       // (batch, dim, dstate) initial state, or null for zeros
 
+  // The output policy. Null: y = scan + D * x (the layer). Given: y = (scan + D * x) * silu(z) (the
+  // block's gate), z read at z[row * z_stride + d].
+  const void* __restrict__ z = nullptr;         // (batch*seqlen, z_stride), dtype, or null
+  int64_t z_stride = 0;
+
   // Outputs.
   void* __restrict__ y = nullptr;               // (batch*seqlen, dim), dtype
+  void* __restrict__ y_ungated = nullptr;       // with z: (batch*seqlen, dim) scan + D * x before the gate,
+                                                // kept for the backward; null when not needed
   float* __restrict__ final_state = nullptr;    // (batch, dim, dstate), or null when not asked for
   // For the backward (common/checkpoints.h): the state entering every kCkptEvery-th token,
   // (batch, ckpt_count(seqlen), dim, dstate), or null when no backward will follow.
