@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["selective_scan_ref"]
+__all__ = ["selective_scan_ref", "scan_ref"]
 
 
 def selective_scan_ref(
@@ -61,17 +61,42 @@ def selective_scan_ref(
         xp = x.to(projection_dtype)
         zt, Bt, Ct = (F.linear(xp, W.to(projection_dtype)).to(cd) for W in (W_delta, W_B, W_C))
     delta = F.softplus(zt + b_delta.to(cd))  # (batch, L, D)
+    return scan_ref(xf, delta, A_log.to(cd), Bt, Ct, D.to(cd), h0, out_dtype=x.dtype)
+
+
+def scan_ref(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A_log: torch.Tensor,
+    Bt: torch.Tensor,
+    Ct: torch.Tensor,
+    D: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence shared by the layer and the Mamba-1 block, in u's dtype (the compute dtype):
+
+        u (batch, L, D), delta (batch, L, D) (after softplus), A_log (D, N), Bt, Ct (batch, L, N), D (D,)
+        h[t] = exp(delta[t] A) h[t-1] + delta[t] Bt[t] u[t],  A = -exp(A_log)
+        y[t] = sum_n h[t, :, n] Ct[t, n] + D u[t]
+
+    Returns (y in out_dtype (default u's), final state h[L-1] (batch, D, N) in u's dtype)."""
+    cd = u.dtype
+    batch, L, Dm = u.shape
+    N = A_log.shape[1]
     A = -torch.exp(A_log.to(cd))  # (D, N)
-    h = torch.zeros(batch, Dm, N, dtype=cd, device=x.device) if h0 is None else h0.to(cd).clone()
-    y = torch.empty(batch, L, Dm, dtype=cd, device=x.device)
-    # Materialise exp(delta*A) and delta*B*x (batch, T, D, N) for T tokens at a time, bounding memory.
+    Bt, Ct = Bt.to(cd), Ct.to(cd)
+    h = torch.zeros(batch, Dm, N, dtype=cd, device=u.device) if h0 is None else h0.to(cd).clone()
+    y = torch.empty(batch, L, Dm, dtype=cd, device=u.device)
+    # Materialise exp(delta*A) and delta*B*u (batch, T, D, N) for T tokens at a time, bounding memory.
     chunk = max(1, min(256, (1 << 26) // max(1, batch * Dm * N)))
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         dA = torch.exp(delta[:, t0:t1, :, None] * A)  # (batch, T, D, N)
-        dBx = (delta[:, t0:t1] * xf[:, t0:t1])[..., None] * Bt[:, t0:t1, None, :]  # (batch, T, D, N)
+        dBx = (delta[:, t0:t1] * u[:, t0:t1])[..., None] * Bt[:, t0:t1, None, :]  # (batch, T, D, N)
         for t in range(t1 - t0):
             h = dA[:, t] * h + dBx[:, t]
             y[:, t0 + t] = torch.einsum("bdn,bn->bd", h, Ct[:, t0 + t])
-    y = y + D.to(cd) * xf
-    return y.to(x.dtype), h
+    y = y + D.to(cd) * u
+    return y.to(out_dtype or cd), h

@@ -1,0 +1,289 @@
+"""The Mamba-1 block: `mamba_block()` (functional, every tensor named) and `Mamba` (nn.Module with
+mamba-ssm's and Hugging Face's parameter names, shapes and initialisation).
+
+The math and every tensor's shape are in selscan_fused/block_reference.py and docs/math.md ("The
+Mamba-1 block"). Paths (`impl=`):
+    "reference"  plain PyTorch (block_reference.mamba_block_ref), any device, float64 too
+    "unfused"    library products for in_proj / x_proj / dt_proj / out_proj (cuBLAS through F.linear),
+                 this project's causal-conv kernel with the SiLU fused (csrc/conv/), and the layer's scan
+                 kernel with the block's gate (csrc/scan/: delta_pre from dt_proj's product, [B | C] read
+                 in place from x_proj's output, y = (scan + D u) * silu(z) written by the kernel);
+                 backward: the layer's backward scan kernel, the conv's backward kernel, the products
+    "fused"      not built yet: the block's fused kernel (dt_proj on the tensor cores inside the scan's
+                 launch) is planned on the layer's fused kernel (docs/design.md); asking for it is an error
+                 that names impl='unfused'
+    "auto"       the unfused path where it supports the inputs (CUDA), the reference otherwise
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
+from ._extension import extension_available, require_extension
+from .api import CUDA_DTYPES, IMPLS, UNFUSED_DSTATES, UNFUSED_DIM_MULTIPLE, ScanConfig
+from .block_reference import mamba_block_ref
+from .conv import causal_conv1d
+
+__all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
+
+BLOCK_D_CONVS = (2, 3, 4)  # conv widths the CUDA conv kernel is compiled for
+
+_FUSED_MESSAGE = ("selscan_fused: impl='fused' is not available for the Mamba block yet (the block's fused "
+                  "kernel is planned, docs/design.md); use impl='unfused' (CUDA) or impl='reference'")
+
+
+def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,
+                  dt_proj_weight, dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias, h0, conv_state):
+    """Checks every argument's type, shape and device against the sizes the parameters imply, naming
+    the argument and where the expectation comes from. Returns (d_model, d_inner, N, R, W)."""
+    T = torch.Tensor
+    named = {"hidden_states": hidden_states, "in_proj_weight": in_proj_weight, "in_proj_bias": in_proj_bias,
+             "conv_weight": conv_weight, "conv_bias": conv_bias, "x_proj_weight": x_proj_weight,
+             "dt_proj_weight": dt_proj_weight, "dt_proj_bias": dt_proj_bias, "A_log": A_log, "D": D,
+             "out_proj_weight": out_proj_weight, "out_proj_bias": out_proj_bias, "h0": h0, "conv_state": conv_state}
+    for name, t in named.items():
+        if t is None and name in ("in_proj_bias", "conv_bias", "out_proj_bias", "h0", "conv_state"):
+            continue
+        if not isinstance(t, T):
+            raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
+    if hidden_states.dim() != 3:
+        raise ValueError(f"selscan_fused: hidden_states must have shape (batch, L, d_model), got "
+                         f"{tuple(hidden_states.shape)}")
+    if A_log.dim() != 2:
+        raise ValueError(f"selscan_fused: A_log must have shape (d_inner, d_state), got {tuple(A_log.shape)}")
+    if dt_proj_weight.dim() != 2:
+        raise ValueError(f"selscan_fused: dt_proj_weight must have shape (d_inner, dt_rank), got "
+                         f"{tuple(dt_proj_weight.shape)}")
+    batch, _, d_model = hidden_states.shape
+    d_inner, N = A_log.shape
+    R = dt_proj_weight.shape[1]
+    if conv_weight.dim() == 3 and conv_weight.shape[:2] == (d_inner, 1):
+        W = conv_weight.shape[2]
+    elif conv_weight.dim() == 2 and conv_weight.shape[0] == d_inner:
+        W = conv_weight.shape[1]
+    else:
+        raise ValueError(f"selscan_fused: conv_weight has shape {tuple(conv_weight.shape)}, expected "
+                         f"({d_inner}, 1, d_conv) or ({d_inner}, d_conv) (d_inner = {d_inner} from A_log)")
+    why_i = f"d_inner = {d_inner} from A_log's first dimension"
+    why_m = f"d_model = {d_model} from hidden_states' last dimension"
+    expected = {
+        "in_proj_weight": ((2 * d_inner, d_model), f"{why_i}, {why_m}"),
+        "in_proj_bias": ((2 * d_inner,), why_i),
+        "conv_bias": ((d_inner,), why_i),
+        "x_proj_weight": ((R + 2 * N, d_inner), f"dt_rank = {R} from dt_proj_weight, d_state = {N} from A_log, {why_i}"),
+        "dt_proj_weight": ((d_inner, R), why_i),
+        "dt_proj_bias": ((d_inner,), why_i),
+        "D": ((d_inner,), why_i),
+        "out_proj_weight": ((d_model, d_inner), f"{why_m}, {why_i}"),
+        "out_proj_bias": ((d_model,), why_m),
+        "h0": ((batch, d_inner, N), f"batch = {batch} from hidden_states, {why_i}, d_state = {N} from A_log"),
+        "conv_state": ((batch, d_inner, W - 1), f"batch = {batch} from hidden_states, {why_i}, d_conv = {W} "
+                                                "from conv_weight: the last d_conv - 1 inputs of the conv"),
+    }
+    for name, (shape, why) in expected.items():
+        t = named[name]
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {shape} ({why})")
+    for name, t in named.items():
+        if t is not None and t.device != hidden_states.device:
+            raise ValueError(f"selscan_fused: {name} is on {t.device} but hidden_states is on "
+                             f"{hidden_states.device}; all tensors must be on the same device")
+    return d_model, d_inner, N, R, W
+
+
+def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d_conv: int) -> str | None:
+    """Why `impl` ('unfused' or 'fused') cannot run the block on these inputs, or None when it can."""
+    if impl == "fused":
+        return _FUSED_MESSAGE.removeprefix("selscan_fused: ")
+    if not x.is_cuda:
+        return f"hidden_states is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
+    if x.dtype not in CUDA_DTYPES:
+        return (f"hidden_states has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
+                "(impl='reference' also takes float64)")
+    if d_state not in UNFUSED_DSTATES:
+        return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
+                f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
+    if d_inner % UNFUSED_DIM_MULTIPLE != 0:
+        return (f"d_inner = {d_inner} is not supported by impl='{impl}' (a multiple of {UNFUSED_DIM_MULTIPLE}); "
+                "use impl='reference'")
+    if d_conv not in BLOCK_D_CONVS:
+        return (f"d_conv = {d_conv} is not supported by impl='{impl}' (supported: "
+                f"{', '.join(map(str, BLOCK_D_CONVS))}); use impl='reference'")
+    return None
+
+
+def resolve_block_impl(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d_conv: int) -> str:
+    """The path mamba_block() takes: 'auto' becomes 'unfused' where it supports the inputs and the
+    extension is built, else 'reference' (with a warning for CUDA tensors)."""
+    if impl not in IMPLS:
+        raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if not x.is_cuda or x.dtype == torch.float64:
+        return "reference"
+    if not extension_available():
+        require_extension("auto")  # a CUDA tensor but no extension: say why and how to rebuild
+    reason = block_unsupported_reason("unfused", x, d_inner, d_state, d_conv)
+    if reason is None:
+        return "unfused"
+    warnings.warn(f"selscan_fused: no CUDA path of the Mamba block supports these inputs ({reason}); "
+                  "impl='auto' runs the slow reference")
+    return "reference"
+
+
+def _as(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def mamba_block(
+    hidden_states: torch.Tensor,
+    in_proj_weight: torch.Tensor,
+    in_proj_bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    dt_proj_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    *,
+    h0: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+    impl: str = "auto",
+    config: ScanConfig | None = None,
+):
+    """The Mamba-1 block (selscan_fused/block_reference.py gives the math and every shape).
+
+    Returns out (batch, L, d_model) in hidden_states' dtype, or, with return_final_state=True,
+    (out, ssm_state, conv_state): the scan state after the last token (batch, d_inner, N) float32
+    (float64 for the reference on float64 input) and the conv's last d_conv - 1 inputs (batch,
+    d_inner, d_conv - 1) in hidden_states' dtype; passed back as h0 / conv_state, a sequence processed
+    in pieces gives the result of one call.
+
+    Dtypes: hidden_states in float32, bfloat16 or float16 (float64: reference only). The four
+    projection weights (and their biases) are used in the input's dtype; the conv's weight and bias,
+    A_log, the delta bias (dt_proj_bias), D, h0, the state and all accumulation are float32. Under
+    torch.autocast (CUDA) float32 input is cast to the autocast dtype first, as nn.Linear would be.
+    config: ScanConfig(l_segments=...) for the scan kernel (the fused kernel's switches do not apply).
+    """
+    d_model, d_inner, N, R, W = _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
+                                              x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D,
+                                              out_proj_weight, out_proj_bias, h0, conv_state)
+    x = hidden_states
+    if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        x = x.to(torch.get_autocast_dtype("cuda"))
+    chosen = resolve_block_impl(impl, x, d_inner, N, W)
+    cfg = config or ScanConfig()
+    if chosen == "reference":
+        with torch.autocast(x.device.type, enabled=False):
+            out, h, conv = mamba_block_ref(x, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,
+                                           dt_proj_weight, dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias,
+                                           h0, conv_state)
+        return (out, h, conv) if return_final_state else out
+    if chosen == "fused":
+        raise ValueError(_FUSED_MESSAGE)
+    reason = block_unsupported_reason(chosen, x, d_inner, N, W)
+    if reason is not None:
+        raise ValueError(f"selscan_fused: {reason}")
+    if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":
+        raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "
+                         "apply to the layer's fused kernel; the Mamba block takes l_segments only")
+    require_extension(chosen)
+    xdt = x.dtype
+    f32 = torch.float32
+    with torch.autocast("cuda", enabled=False):
+        xz = F.linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))          # (batch, L, 2 d_inner)
+        xi, z = xz[..., :d_inner], xz[..., d_inner:]
+        u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
+                                  _as(conv_state, xdt), activation=True, return_final_state=True)
+        xdbl = F.linear(u, _as(x_proj_weight, xdt))                                  # (batch, L, R + 2N)
+        delta = F.linear(xdbl[..., :R], _as(dt_proj_weight, xdt))                    # delta_pre, no bias
+        A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
+        # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
+        train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0))
+        y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
+            delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)
+        out = F.linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
+    return (out, h, conv_T) if return_final_state else out
+
+
+class Mamba(nn.Module):
+    """The Mamba-1 block (mamba-ssm's `Mamba`, Hugging Face's `MambaMixer`) with their parameter names,
+    shapes and initialisation, so that either's state_dict loads with strict=True:
+
+        in_proj   nn.Linear(d_model, 2 d_inner, bias=bias)
+        conv1d    nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1, bias=conv_bias)
+        x_proj    nn.Linear(d_inner, dt_rank + 2 d_state, bias=False)
+        dt_proj   nn.Linear(dt_rank, d_inner): weight U(-s, s) (s = dt_scale dt_rank^-0.5, or the constant s
+                  with dt_init="constant"); bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max],
+                  clamped below at dt_init_floor
+        A_log     log(1 .. d_state) on every row (d_inner, d_state)
+        D         ones (d_inner,)
+        out_proj  nn.Linear(d_inner, d_model, bias=bias)
+
+    d_inner = expand * d_model; dt_rank = ceil(d_model / 16) when "auto".
+    forward(hidden_states (batch, L, d_model), h0=None, conv_state=None, return_final_state=False): see
+    selscan_fused.mamba_block (impl, config, dtypes, the states).
+    """
+
+    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank="auto",
+                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
+                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False, impl: str = "auto",
+                 config: ScanConfig | None = None, layer_idx: int | None = None, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        if impl not in IMPLS:
+            raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
+        if dt_init not in ("random", "constant"):
+            raise ValueError(f"selscan_fused: dt_init must be 'random' or 'constant', got {dt_init!r}")
+        self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
+        self.d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
+        self.impl, self.config, self.layer_idx = impl, config, layer_idx
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **factory)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
+                                bias=conv_bias, **factory)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False, **factory)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory)
+        std = self.dt_rank ** -0.5 * dt_scale
+        if dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        else:
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        dt = torch.exp(torch.rand(self.d_inner, **factory) * (math.log(dt_max) - math.log(dt_min))
+                       + math.log(dt_min)).clamp(min=dt_init_floor)
+        inv_dt = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(inv_dt)
+        self.dt_proj.bias._no_reinit = True
+        A = torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(self.d_inner, 1)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype) if dtype is not None else torch.log(A))
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_inner, **factory))
+        self.D._no_weight_decay = True
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+
+    def weights(self) -> tuple:
+        """The parameters in mamba_block's argument order (in_proj_weight .. out_proj_bias)."""
+        return (self.in_proj.weight, self.in_proj.bias, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight,
+                self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight, self.out_proj.bias)
+
+    def forward(self, hidden_states: torch.Tensor, h0: torch.Tensor | None = None,
+                conv_state: torch.Tensor | None = None, return_final_state: bool = False):
+        return mamba_block(hidden_states, *self.weights(), h0=h0, conv_state=conv_state,
+                           return_final_state=return_final_state, impl=self.impl, config=self.config)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, d_conv={self.d_conv}, "
+                f"dt_rank={self.dt_rank}, impl={self.impl!r}")

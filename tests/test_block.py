@@ -1,0 +1,411 @@
+"""The Mamba-1 block (selscan_fused.Mamba, selscan_fused.mamba_block): parameter names, shapes and
+initialisation against mamba-ssm's and Hugging Face's; the reference against Hugging Face's MambaMixer
+(its PyTorch path, which it takes without mamba-ssm's kernels) and against itself in pieces; the unfused CUDA path against float64 values and
+gradients, transformers, chunked calls, determinism, torch.compile, CUDA graphs and opcheck."""
+import math
+
+import pytest
+import torch
+
+import selscan_fused
+from selscan_fused import Mamba, mamba_block
+from selscan_fused.block_reference import mamba_block_ref, mamba_step_ref
+from conftest import (DTYPES, TOLERANCE, fresh_seed, matmul_precision, rel_l2, requires_cuda,
+                      requires_extension)
+
+try:
+    import transformers
+except ImportError:  # a test dependency (scripts/install_and_run.sh installs it); its tests skip without it
+    transformers = None
+requires_transformers = pytest.mark.skipif(transformers is None, reason="transformers (a test dependency: "
+                                           "pip install transformers) is not installed")
+
+ARGS = ("hidden_states", "in_proj_weight", "in_proj_bias", "conv_weight", "conv_bias", "x_proj_weight",
+        "dt_proj_weight", "dt_proj_bias", "A_log", "D", "out_proj_weight", "out_proj_bias", "h0", "conv_state")
+# mamba-ssm's Mamba state_dict keys (bias=False, conv_bias=True), as its checkpoints hold them.
+MAMBA_SSM_KEYS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+                  "dt_proj.bias", "A_log", "D", "out_proj.weight")
+
+
+def hf_mixer(block: Mamba, dtype=torch.float32):
+    """Hugging Face's MambaMixer with the block's sizes, loaded from the block's state_dict (strict)."""
+    cfg = transformers.MambaConfig(hidden_size=block.d_model, state_size=block.d_state, conv_kernel=block.d_conv,
+                                   expand=block.expand, time_step_rank=block.dt_rank,
+                                   use_bias=block.in_proj.bias is not None,
+                                   use_conv_bias=block.conv1d.bias is not None)
+    mixer = transformers.models.mamba.modeling_mamba.MambaMixer(cfg, layer_idx=0)
+    mixer.load_state_dict(block.state_dict(), strict=True)
+    return mixer.to(device=block.A_log.device, dtype=dtype)
+
+
+def block_args(block: Mamba, x, h0=None, conv_state=None):
+    return dict(zip(ARGS, (x,) + block.weights() + (h0, conv_state)))
+
+
+def randomize(block: Mamba, seed_scale=0.5):
+    """Moves A_log, D and the conv/dt biases off their initial values (never test on the init's
+    symmetric values alone: every row of A_log is log(1..N) at init)."""
+    with torch.no_grad():
+        block.A_log.add_(torch.randn_like(block.A_log) * seed_scale)
+        block.D.add_(torch.randn_like(block.D) * seed_scale)
+        if block.conv1d.bias is not None:
+            block.conv1d.bias.add_(torch.randn_like(block.conv1d.bias) * 0.1)
+    return block
+
+
+# The layer's bounds (docs/math.md, "Accuracy"), but for float32 under TF32 ("high"): the block chains
+# four TF32 products (in_proj, x_proj, dt_proj, out_proj; and their transposes in the backward), each
+# rounding its operands to 10 mantissa bits, where the layer has one (docs/math.md, "Accuracy of the block").
+BLOCK_TOLERANCE = dict(TOLERANCE, **{"float32-high": 3e-3})
+
+# ---- parameters: names, shapes, initialisation, state_dict both ways (CPU) ----
+
+def test_parameters_match_mamba_ssm_and_hugging_face():
+    fresh_seed()
+    b = Mamba(768)  # mamba-130m's layer
+    assert (b.d_inner, b.dt_rank) == (1536, 48)
+    shapes = {k: tuple(v.shape) for k, v in b.state_dict().items()}
+    assert shapes == {"in_proj.weight": (3072, 768), "conv1d.weight": (1536, 1, 4), "conv1d.bias": (1536,),
+                      "x_proj.weight": (80, 1536), "dt_proj.weight": (1536, 48), "dt_proj.bias": (1536,),
+                      "A_log": (1536, 16), "D": (1536,), "out_proj.weight": (768, 1536)}
+    assert set(shapes) == set(MAMBA_SSM_KEYS)
+    # Initialisation: A_log = log(1..N) on every row, D = 1, dt_proj's weight in U(-s, s), its bias the
+    # inverse softplus of dt in [dt_min, dt_max].
+    assert torch.equal(b.A_log, torch.log(torch.arange(1, 17, dtype=torch.float32)).repeat(1536, 1))
+    assert torch.equal(b.D, torch.ones(1536))
+    s = 48 ** -0.5
+    assert b.dt_proj.weight.abs().max() <= s and b.dt_proj.weight.abs().max() > 0.9 * s
+    dt = torch.nn.functional.softplus(b.dt_proj.bias)
+    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
+    assert b.dt_proj.weight.std().item() == pytest.approx(s / math.sqrt(3), rel=0.05)
+    c = Mamba(64, d_state=8, d_conv=2, expand=2, dt_rank=5, dt_init="constant", dt_scale=2.0, bias=True,
+              conv_bias=False)
+    assert torch.all(c.dt_proj.weight == 5 ** -0.5 * 2.0)
+    assert c.in_proj.bias is not None and c.out_proj.bias is not None and c.conv1d.bias is None
+
+
+@requires_transformers
+def test_state_dict_loads_both_ways_with_hugging_face_and_mamba_ssm_names():
+    fresh_seed()
+    for kw in ({}, {"bias": True, "conv_bias": False, "d_state": 8, "d_conv": 3}):
+        b = Mamba(96, **kw)
+        mixer = hf_mixer(b)  # ours -> Hugging Face, strict
+        fresh = Mamba(96, **kw)
+        fresh.load_state_dict(mixer.state_dict(), strict=True)  # Hugging Face -> ours, strict
+        for k, v in b.state_dict().items():
+            assert torch.equal(v, fresh.state_dict()[k]), k
+
+
+def test_state_dict_with_mamba_ssm_names_loads_strictly():
+    """mamba-ssm's naming: a state_dict written with its keys loads strictly."""
+    fresh_seed()
+    b = Mamba(64)
+    shapes = {k: tuple(v.shape) for k, v in b.state_dict().items()}
+    sd = {k: torch.randn(shapes[k]) for k in MAMBA_SSM_KEYS}
+    b.load_state_dict(sd, strict=True)
+    assert torch.equal(b.x_proj.weight, sd["x_proj.weight"])
+
+
+# ---- the reference against Hugging Face's MambaMixer, and against itself (CPU) ----
+
+@requires_transformers
+@pytest.mark.parametrize("L,d_conv,N,bias", [(1, 4, 16, False), (7, 2, 8, True), (33, 3, 16, False)])
+def test_reference_equals_hugging_face_mixer(L, d_conv, N, bias):
+    """Values and every parameter's gradient of the reference (float64) against MambaMixer's
+    forward (PyTorch, without mamba-ssm's kernels; float32) on the same weights."""
+    fresh_seed()
+    block = randomize(Mamba(48, d_state=N, d_conv=d_conv, bias=bias, conv_bias=not bias, impl="reference"))
+    mixer = hf_mixer(block)
+    x = torch.randn(2, L, 48)
+    out_hf = mixer(x.clone().requires_grad_(True))
+    dy = torch.randn_like(out_hf)
+    (out_hf * dy).sum().backward()
+    b64 = Mamba(48, d_state=N, d_conv=d_conv, bias=bias, conv_bias=not bias, impl="reference").double()
+    b64.load_state_dict(block.state_dict())
+    x64 = x.double().requires_grad_(True)
+    out = b64(x64)
+    (out * dy.double()).sum().backward()
+    print(f"rel err out={rel_l2(out_hf, out):.2e}")
+    assert rel_l2(out_hf, out) < 1e-5
+    hf_params = dict(mixer.named_parameters())
+    for name, p in b64.named_parameters():
+        e = rel_l2(hf_params[name].grad, p.grad)
+        print(f"d{name}: rel err {e:.2e}")
+        assert e < 1e-4, name
+
+
+def test_reference_in_pieces_equals_one_call_and_steps():
+    fresh_seed()
+    block = randomize(Mamba(32, d_state=8, impl="reference")).double()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    out, h, conv = block(x, return_final_state=True)
+    assert conv.shape == (2, 64, 3) and h.shape == (2, 64, 8)
+    # three pieces, of 2, 1 and 20 tokens (the first shorter than the conv window)
+    o1, h1, c1 = block(x[:, :2], return_final_state=True)
+    o2, h2, c2 = block(x[:, 2:3], h0=h1, conv_state=c1, return_final_state=True)
+    o3, h3, c3 = block(x[:, 3:], h0=h2, conv_state=c2, return_final_state=True)
+    torch.testing.assert_close(torch.cat([o1, o2, o3], 1), out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h3, h, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c3, conv, rtol=0, atol=0)
+    # the decode step, token by token, from zero states
+    cs = torch.zeros(2, 64, 3, dtype=torch.float64)
+    ss = torch.zeros(2, 64, 8, dtype=torch.float64)
+    for t in range(x.shape[1]):
+        o, cs, ss = mamba_step_ref(x[:, t], cs, ss, *block.weights())
+        torch.testing.assert_close(o, out[:, t], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ss, h, rtol=1e-12, atol=1e-12)
+
+
+def test_errors_name_the_argument():
+    block = Mamba(32, d_state=8, impl="reference")
+    x = torch.randn(2, 5, 32)
+    a = block_args(block, x)
+    with pytest.raises(ValueError, match=r"x_proj_weight has shape \(3, 64\), expected \(18, 64\)"):
+        mamba_block(*[torch.randn(3, 64) if k == "x_proj_weight" else a[k] for k in ARGS[:12]])
+    with pytest.raises(ValueError, match=r"conv_state has shape \(2, 64, 4\), expected \(2, 64, 3\)"):
+        block(x, conv_state=torch.randn(2, 64, 4))
+    with pytest.raises(ValueError, match=r"h0 has shape"):
+        block(x, h0=torch.randn(2, 64, 16))
+    with pytest.raises(ValueError, match=r"in_proj_weight has shape"):
+        block(torch.randn(2, 5, 31))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        Mamba(32, impl="fast")
+    with pytest.raises(ValueError, match="impl='unfused'"):
+        Mamba(32, impl="fused")(x)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        Mamba(32, impl="unfused")(x)
+
+
+# ---- the unfused CUDA path (GPU) ----
+
+def cuda_block(d_model, N, d_conv, bias, impl, expand=2, dt_rank="auto"):
+    b = randomize(Mamba(d_model, d_state=N, d_conv=d_conv, expand=expand, dt_rank=dt_rank, bias=bias,
+                        conv_bias=not bias, impl=impl, device="cuda"))
+    return b
+
+
+def rounded(block: Mamba, dtype):
+    """The block with its four projection weights (and biases) rounded to dtype, as the CUDA path uses
+    them; float32 parameters otherwise."""
+    b = Mamba(block.d_model, d_state=block.d_state, d_conv=block.d_conv, expand=block.expand, dt_rank=block.dt_rank,
+              bias=block.in_proj.bias is not None, conv_bias=block.conv1d.bias is not None, impl=block.impl,
+              device="cuda")
+    b.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj):
+            lin.weight.copy_(lin.weight.to(dtype).float())
+            if lin is not b.dt_proj and lin.bias is not None:
+                lin.bias.copy_(lin.bias.to(dtype).float())
+    return b
+
+
+# (batch, L, d_model, N, d_conv, bias, with_states, expand)
+SHAPES = [
+    (1, 1, 64, 16, 4, False, True, 2),
+    (3, 7, 64, 8, 2, True, False, 2),
+    (1, 1000, 128, 16, 4, False, True, 2),
+    (3, 1000, 96, 32, 3, False, False, 2),
+    (1, 4097, 64, 16, 4, False, True, 2),
+    (2, 300, 48, 64, 4, True, True, 2),
+    (3, 130, 768, 16, 4, False, True, 2),
+]
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("mode", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
+def test_unfused_values_and_gradients_against_float64(mode, shape, poisoned_outputs):
+    batch, L, d_model, N, d_conv, bias, with_states, expand = shape
+    fresh_seed()
+    dtype = DTYPES[mode]
+    base = cuda_block(d_model, N, d_conv, bias, "unfused", expand)
+    block = rounded(base, dtype)
+    x = torch.randn(batch, L, d_model, device="cuda").to(dtype)
+    di = block.d_inner
+    h0 = torch.randn(batch, di, N, device="cuda") * 0.5 if with_states else None
+    cs = torch.randn(batch, di, d_conv - 1, device="cuda").to(dtype) if with_states else None
+    dy = torch.randn(batch, L, d_model, device="cuda").to(dtype)
+    dhT = torch.randn(batch, di, N, device="cuda") if with_states else None
+    dcT = torch.randn(batch, di, d_conv - 1, device="cuda").to(dtype) if with_states else None
+
+    def run(blk, xx, h, c, impl_dtype):
+        leaves = [xx.detach().clone().requires_grad_(True)]
+        hh = h.detach().clone().to(impl_dtype).requires_grad_(True) if h is not None else None
+        cc = c.detach().clone().to(impl_dtype).requires_grad_(True) if c is not None else None
+        out, hT, cT = blk(leaves[0], h0=hh, conv_state=cc, return_final_state=True)
+        loss = (out.to(impl_dtype) * dy.to(impl_dtype)).sum()
+        if with_states:
+            loss = loss + (hT.to(impl_dtype) * dhT.to(impl_dtype)).sum() + (cT.to(impl_dtype) * dcT.to(impl_dtype)).sum()
+        loss.backward()
+        grads = {"x": leaves[0].grad, **{n: p.grad for n, p in blk.named_parameters()}}
+        if with_states:
+            grads.update(h0=hh.grad, conv_state=cc.grad)
+        return out, hT, cT, grads
+
+    with matmul_precision(mode):
+        out, hT, cT, grads = run(block, x, h0, cs, torch.float32)
+    ref = Mamba(d_model, d_state=N, d_conv=d_conv, expand=expand, bias=bias, conv_bias=not bias,
+                impl="reference", device="cuda").double()
+    ref.load_state_dict(block.state_dict())
+    out64, h64, c64, g64 = run(ref, x.double(), h0, cs, torch.float64)
+    assert out.dtype == dtype and hT.dtype == torch.float32 and cT.dtype == dtype
+    assert torch.isfinite(out).all() and torch.isfinite(hT).all()
+    tol = BLOCK_TOLERANCE[mode]
+    errs = {"out": rel_l2(out, out64), "final state": rel_l2(hT, h64), "conv state": rel_l2(cT, c64)}
+    errs.update({f"d{k}": rel_l2(v, g64[k]) for k, v in grads.items()})
+    print(mode, " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+    for k, v in grads.items():
+        assert torch.isfinite(v).all(), f"d{k} has non-finite elements"
+    bad = {k: v for k, v in errs.items() if not v < tol}
+    assert not bad, f"over the {mode} bound {tol:.0e}: {bad}"
+
+
+@requires_transformers
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_against_hugging_face_on_the_gpu(dtype):
+    """The unfused path and transformers' MambaMixer (its PyTorch forward; float32, same weights)."""
+    fresh_seed()
+    block = cuda_block(128, 16, 4, False, "unfused")
+    rblock = rounded(block, dtype)
+    mixer = hf_mixer(rblock)
+    x = torch.randn(2, 257, 128, device="cuda").to(dtype)
+    with matmul_precision("float32-highest"):
+        out = rblock(x.clone().requires_grad_(True))
+        out_hf = mixer(x.float().requires_grad_(True))
+    dy = torch.randn_like(out_hf)
+    (out.float() * dy).sum().backward()
+    (out_hf * dy).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    e = rel_l2(out, out_hf)
+    print(f"{dtype}: out rel err {e:.2e}")
+    assert e < tol
+    hf = dict(mixer.named_parameters())
+    for name, p in rblock.named_parameters():
+        e = rel_l2(p.grad, hf[name].grad)
+        print(f"  d{name} rel err {e:.2e}")
+        assert e < (1e-4 if dtype == torch.float32 else 1e-2), name
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_in_pieces_equals_one_call(dtype):
+    fresh_seed()
+    block = rounded(cuda_block(64, 16, 4, False, "unfused"), dtype)
+    x = torch.randn(2, 1000, 64, device="cuda").to(dtype)
+    with torch.no_grad():
+        out, h, c = block(x, return_final_state=True)
+        o1, h1, c1 = block(x[:, :2], return_final_state=True)
+        o2, h2, c2 = block(x[:, 2:515], h0=h1, conv_state=c1, return_final_state=True)
+        o3, h3, c3 = block(x[:, 515:], h0=h2, conv_state=c2, return_final_state=True)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_l2(torch.cat([o1, o2, o3], 1), out) < tol
+    assert rel_l2(h3, h) < 1e-5
+    assert torch.equal(c3, c)
+
+
+@requires_cuda
+@requires_extension
+def test_unfused_backward_is_deterministic():
+    fresh_seed()
+    block = cuda_block(128, 16, 4, False, "unfused").to(torch.bfloat16)
+    x = torch.randn(3, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    grads = []
+    for _ in range(2):
+        block.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        out = block(xx)
+        out.backward(dy)
+        grads.append([xx.grad.clone()] + [p.grad.clone() for p in block.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
+@requires_extension
+def test_unfused_block_ops_opcheck():
+    fresh_seed()
+    batch, L, di, N = 2, 70, 64, 16
+    f = dict(device="cuda", dtype=torch.bfloat16)
+    delta = torch.randn(batch, L, di, **f)
+    xdbl = torch.randn(batch, L, 4 + 2 * N, **f)
+    u = torch.randn(batch, L, di, **f)
+    xz = torch.randn(batch, L, 2 * di, **f)
+    A_log = torch.randn(di, N, device="cuda")
+    b = torch.randn(di, device="cuda")
+    D = torch.randn(di, device="cuda")
+    h0 = torch.randn(batch, di, N, device="cuda")
+    args = (delta, xdbl[..., 4:], u, xz[..., di:], A_log, b, D, h0, True, True, 0)
+    torch.library.opcheck(torch.ops.selscan_fused.gated_scan_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    _, _, ckpt, _ = torch.ops.selscan_fused.gated_scan_fwd(*args)
+    dy = torch.randn(batch, L, di, **f)
+    torch.library.opcheck(torch.ops.selscan_fused.scan_bwd,
+                          (delta, xdbl[..., 4:], u, A_log, b, D, h0, dy, None, ckpt, 0))
+
+
+@requires_cuda
+@requires_extension
+def test_unfused_compiles_and_captures_a_training_step():
+    """torch.compile(fullgraph=True) of a training step and CUDA-graph replay of a forward equal eager."""
+    fresh_seed()
+    block = cuda_block(64, 16, 4, False, "unfused")
+    x = torch.randn(2, 200, 64, device="cuda")
+
+    def loss_fn(xx):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = block(xx)
+        return out.float().square().mean()
+
+    # The forward and the loss as one graph (fullgraph), the backward through the compiled graph's own.
+    eager = loss_fn(x)
+    eager.backward()
+    g_eager = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad(set_to_none=True)
+    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)(x)
+    compiled.backward()
+    g_comp = [p.grad.clone() for p in block.parameters()]
+    assert rel_l2(compiled, eager) < 1e-2
+    for a, b in zip(g_comp, g_eager):
+        assert rel_l2(a, b) < 2e-2
+    # CUDA graph of the no-grad forward, replayed on new input.
+    static_x = torch.randn(2, 200, 64, device="cuda")
+    with torch.no_grad():
+        block(static_x)  # warm-up (plans, allocator)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            block(static_x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = block(static_x)
+        new_x = torch.randn_like(static_x)
+        static_x.copy_(new_x)
+        g.replay()
+        torch.testing.assert_close(static_out, block(new_x), rtol=0, atol=0)
+
+
+@requires_cuda
+@requires_extension
+def test_unfused_block_memory_has_no_state_sized_tensor():
+    """No (batch, L, d_inner, N) tensor: the peak of a no-grad forward stays within a few (batch, L,
+    2 d_inner) activations."""
+    fresh_seed()
+    block = cuda_block(256, 16, 4, False, "unfused").to(torch.bfloat16)
+    x = torch.randn(4, 4096, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        block(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        block(x)
+        peak = torch.cuda.max_memory_allocated() - base
+    state_sized = 4 * 4096 * 512 * 16 * 2
+    act = 4 * 4096 * 1024 * 2  # one (batch, L, 2 d_inner) bf16 tensor
+    print(f"peak extra {peak / 2**20:.1f} MiB, one in_proj output {act / 2**20:.1f} MiB")
+    assert peak < 4 * act < state_sized
