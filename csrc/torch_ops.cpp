@@ -61,10 +61,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   at::Tensor z;
-  if (z_in != nullptr) {
-    // The gate is read element by element: any layout whose rows are (b * L + t) * stride.
-    z = (z_in->stride(2) == 1 && (batch <= 1 || z_in->stride(0) == L * z_in->stride(1))) ? *z_in : z_in->contiguous();
-    p.z = z.data_ptr(); p.z_stride = z.stride(1);
+  if (z_in != nullptr) {  // the gate's rows, loaded with the chunk's other operands (16-byte copies)
+    int64_t z_stride = 0;
+    std::tie(z, z_stride) = row_operand(*z_in);
+    p.z = z.data_ptr(); p.z_stride = z_stride;
   }
 
   ScanLaunchInfo plan;

@@ -36,9 +36,10 @@
 namespace selscan {
 namespace scan {
 
-template <class T_, int kN_, int kNS_ = (kN_ <= 16 ? 4 : 8), int kT_ = 32>
+template <class T_, int kN_, int kNS_ = (kN_ <= 16 ? 4 : 8), int kT_ = 32, bool kGate_ = false>
 struct Traits {
   using T = T_;
+  static constexpr bool kGate = kGate_;              // the output policy: y gated by silu(z) (the block)
   static constexpr int kN = kN_;                     // states per channel
   static constexpr int kNS = kNS_;                   // states per thread
   static constexpr int kP = kN / kNS;                // threads per channel
@@ -50,10 +51,19 @@ struct Traits {
   static_assert((kDc * int(sizeof(T))) % 16 == 0 && (2 * kN * int(sizeof(T))) % 16 == 0, "rows must be 16B");
 };
 
+// The gate's rows of one chunk (the block's output policy); empty for the layer, whose shared memory
+// (and so its occupancy and L-split plan) stays as it was.
+template <class T, int kT, int kDc, bool kGate>
+struct GateRows {
+  alignas(16) T z[kT][kDc];
+};
+template <class T, int kT, int kDc>
+struct GateRows<T, kT, kDc, false> {};
+
 template <class Tr>
 struct SharedStorage {
   using T = typename Tr::T;
-  struct Raw {  // one chunk as loaded
+  struct Raw : GateRows<T, Tr::kT, Tr::kDc, Tr::kGate> {  // one chunk as loaded
     alignas(16) T delta[Tr::kT][Tr::kDc];
     alignas(16) T x[Tr::kT][Tr::kDc];
     alignas(16) T bc[Tr::kT][2 * Tr::kN];
@@ -137,6 +147,8 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
       if (t < nvalid) {
         cp_async_16(&r.delta[t][ro.ld_vec * Tr::kVec], delta + int64_t(t) * p.delta_stride + dcol);
         cp_async_16(&r.x[t][ro.ld_vec * Tr::kVec], x + int64_t(t) * p.dim + dcol);
+        if constexpr (Tr::kGate)
+          cp_async_16(&r.z[t][ro.ld_vec * Tr::kVec], static_cast<const T*>(p.z) + (row0 + t) * p.z_stride + dcol);
       }
     }
   }
@@ -263,10 +275,8 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
       T* y = static_cast<T*>(p.y) + (row_base + t0) * p.dim + it.d0;
       if (ro.col_valid) {
         const float dsk = s.Dskip[ro.el_col];
-        const bool gate = p.z != nullptr;
-        const T* z = gate ? static_cast<const T*>(p.z) + (row_base + t0) * p.z_stride + it.d0 : nullptr;
         T* yu = static_cast<T*>(p.y_ungated);
-        if (yu != nullptr) yu += (row_base + t0) * p.dim + it.d0;
+        if (Tr::kGate && yu != nullptr) yu += (row_base + t0) * p.dim + it.d0;
 #pragma unroll
         for (int kk = 0; kk < Tr::kT * Tr::kDc / Tr::kThreads; ++kk) {
           const int t = ro.el_row + kk * (Tr::kThreads / Tr::kDc);
@@ -274,9 +284,9 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
             float acc = dsk * to_float(r.x[t][ro.el_col]);
 #pragma unroll
             for (int gg = 0; gg < Tr::kP; ++gg) acc += s.yp[t][ro.el_col][gg];
-            if (gate) {
+            if constexpr (Tr::kGate) {
               if (yu != nullptr) yu[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
-              acc *= silu(to_float(z[int64_t(t) * p.z_stride + ro.el_col]));
+              acc *= silu(to_float(r.z[t][ro.el_col]));
             }
             y[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
           }
@@ -392,7 +402,7 @@ cudaError_t occupancy(int device, int* blocks_per_sm, int* channels_per_cta) {
 template <class T>
 struct Dispatch {
   static cudaError_t launch(const ScanParams& p, cudaStream_t stream);
-  static cudaError_t occupancy(int64_t dstate, int device, int* blocks_per_sm, int* channels_per_cta);
+  static cudaError_t occupancy(int64_t dstate, bool gate, int device, int* blocks_per_sm, int* channels_per_cta);
 };
 
 #define SELSCAN_SCAN_SWITCH_N(N, ...)                        \
@@ -409,21 +419,26 @@ struct Dispatch {
 // Tiling per regime, chosen by measurement on the H200 (docs/perf/layer-forward.md, scan v2): 4 states per
 // thread (8 for N >= 32); chunks of 64 tokens when L is not split (fewer barriers per token), 32 when
 // it is (more CTAs fit an SM, and the split plan wants them resident).
-template <class T, int kN> using TraitsWhole = Traits<T, kN, (kN <= 16 ? 4 : 8), 64>;
-template <class T, int kN> using TraitsSplit = Traits<T, kN, (kN <= 16 ? 4 : 8), 32>;
+template <class T, int kN, bool kGate = false> using TraitsWhole = Traits<T, kN, (kN <= 16 ? 4 : 8), 64, kGate>;
+template <class T, int kN, bool kGate = false> using TraitsSplit = Traits<T, kN, (kN <= 16 ? 4 : 8), 32, kGate>;
 
 template <class T>
 cudaError_t Dispatch<T>::launch(const ScanParams& p, cudaStream_t stream) {
+  // The output policy: the layer's y, or the block's y gated by silu(z) (p.z given).
   return SELSCAN_SCAN_SWITCH_N(p.dstate, [&] {
+    if (p.z != nullptr)
+      return p.n_segments == 1 ? scan::launch_whole<TraitsWhole<T, kN, true>>(p, stream)
+                               : scan::launch_split<TraitsSplit<T, kN, true>>(p, stream);
     return p.n_segments == 1 ? scan::launch_whole<TraitsWhole<T, kN>>(p, stream)
                              : scan::launch_split<TraitsSplit<T, kN>>(p, stream);
   });
 }
 
 template <class T>
-cudaError_t Dispatch<T>::occupancy(int64_t dstate, int device, int* blocks_per_sm, int* channels_per_cta) {
+cudaError_t Dispatch<T>::occupancy(int64_t dstate, bool gate, int device, int* blocks_per_sm, int* channels_per_cta) {
   return SELSCAN_SCAN_SWITCH_N(dstate, [&] {
-    return scan::occupancy<TraitsSplit<T, kN>>(device, blocks_per_sm, channels_per_cta);
+    return gate ? scan::occupancy<TraitsSplit<T, kN, true>>(device, blocks_per_sm, channels_per_cta)
+                : scan::occupancy<TraitsSplit<T, kN>>(device, blocks_per_sm, channels_per_cta);
   });
 }
 

@@ -20,11 +20,11 @@ extern template struct scan_bwd::Dispatch<__half>;
 
 namespace {
 
-cudaError_t occupancy(DType dtype, int64_t dstate, int device, int* blocks, int* dc) {
+cudaError_t occupancy(DType dtype, int64_t dstate, bool gate, int device, int* blocks, int* dc) {
   switch (dtype) {
-    case DType::kFloat32: return scan::Dispatch<float>::occupancy(dstate, device, blocks, dc);
-    case DType::kBFloat16: return scan::Dispatch<__nv_bfloat16>::occupancy(dstate, device, blocks, dc);
-    case DType::kFloat16: return scan::Dispatch<__half>::occupancy(dstate, device, blocks, dc);
+    case DType::kFloat32: return scan::Dispatch<float>::occupancy(dstate, gate, device, blocks, dc);
+    case DType::kBFloat16: return scan::Dispatch<__nv_bfloat16>::occupancy(dstate, gate, device, blocks, dc);
+    case DType::kFloat16: return scan::Dispatch<__half>::occupancy(dstate, gate, device, blocks, dc);
   }
   return cudaErrorInvalidValue;
 }
@@ -101,7 +101,7 @@ cudaError_t scan_bwd_launch(const ScanBwdParams& p, cudaStream_t stream) {
 cudaError_t scan_plan(const ScanParams& p, int64_t requested_segments, int device, ScanLaunchInfo* out) {
   constexpr int64_t kChunk = 32;        // tokens per chunk when L is split (TraitsSplit::kT)
   int blocks = 0, dc = 0, sms = 0;
-  SELSCAN_RETURN_IF_ERROR(occupancy(p.dtype, p.dstate, device, &blocks, &dc));
+  SELSCAN_RETURN_IF_ERROR(occupancy(p.dtype, p.dstate, p.z != nullptr, device, &blocks, &dc));
   SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t items = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);
   plan_split(p.seqlen, items, blocks, sms, requested_segments, kChunk, kChunk, true, &out->n_segments, &out->seg_len);

@@ -35,7 +35,8 @@ struct ScanParams {
   const float* __restrict__ h0 = nullptr;       // (batch, dim, dstate) initial state, or null for zeros
 
   // The output policy. Null: y = scan + D * x (the layer). Given: y = (scan + D * x) * silu(z) (the
-  // block's gate), z read at z[row * z_stride + d].
+  // block's gate; a compile-time choice of the kernel, Traits::kGate), z read at z[row * z_stride + d]
+  // (16-byte aligned pointer and row stride, as delta's).
   const void* __restrict__ z = nullptr;         // (batch*seqlen, z_stride), dtype, or null
   int64_t z_stride = 0;
 
