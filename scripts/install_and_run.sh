@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 need() { $PY -c "import $1" 2>/dev/null || echo "$2"; }
-missing="$(need torch torch) $(need ninja ninja) $(need pytest pytest) $(need numpy numpy) $(need wheel wheel) $(need transformers transformers)"
+missing="$(need torch torch) $(need ninja ninja) $(need pytest pytest) $(need numpy numpy) $(need wheel wheel) $(need transformers transformers==5.17.0)"
 missing=$(echo $missing)
 if [ -n "$missing" ]; then
   case " $missing " in
