@@ -45,14 +45,16 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 _flush = None
 
 
-def median_ms(run, reps: int) -> float:
-    """Median CUDA-event time of run() over reps calls, the L2 flushed (a 256 MB write) before each."""
+def median_ms(run, reps: int, flush: bool = True) -> float:
+    """Median CUDA-event time of run() over reps calls, the L2 flushed (a 256 MB write) before each
+    (flush=False: not flushed, for calls whose inputs are far larger than the L2 anyway)."""
     global _flush
-    if _flush is None:
+    if flush and _flush is None:
         _flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     times = []
     for _ in range(reps):
-        _flush.zero_()
+        if flush:
+            _flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()

@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import selscan_fused  # noqa: E402
+from bench import median_ms  # noqa: E402
 
 SIZES = {"130M": 768, "370M": 1024, "790M": 1536, "1.4B": 2048, "2.8B": 2560}
 
@@ -57,18 +58,12 @@ def mamba_ssm_forward(inner, block: selscan_fused.Mamba):
 
 
 def time_ms(fn, reps: int) -> float:
+    """Three warm-up calls, then bench.py's median of CUDA-event times (no L2 flush: the block's
+    inputs and activations are several times the L2)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps, flush=False)
 
 
 def measure(forward, x, g, reps):

@@ -196,13 +196,30 @@ def _diagnose_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
     raise AssertionError("selscan_fused: _diagnose_inputs found nothing wrong")  # _inputs_ok disagrees
 
 
+def cuda_input_reason(impl: str, x: torch.Tensor, name: str = "x") -> str | None:
+    """Why a CUDA path cannot take the input `name` (its device or dtype), or None: shared by the
+    layer's and the block's (selscan_fused.block) envelope checks."""
+    if not x.is_cuda:
+        return f"{name} is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
+    if x.dtype not in CUDA_DTYPES:
+        return (f"{name} has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
+                "(impl='reference' also takes float64)")
+    return None
+
+
+def unfused_dstate_reason(impl: str, d_state: int) -> str | None:
+    """Why the scan kernels (the unfused paths of the layer and the block) cannot take d_state, or None."""
+    if d_state not in UNFUSED_DSTATES:
+        return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
+                f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
+    return None
+
+
 def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
     """Why `impl` cannot run these inputs, or None when it can. impl: 'unfused' or 'fused'."""
-    if not x.is_cuda:
-        return f"x is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
-    if x.dtype not in CUDA_DTYPES:
-        return (f"x has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
-                "(impl='reference' also takes float64)")
+    reason = cuda_input_reason(impl, x)
+    if reason is not None:
+        return reason
     Dm = x.shape[2]
     if impl == "fused":
         if not _sm90(x.device):
@@ -218,9 +235,9 @@ def unsupported_reason(impl: str, x: torch.Tensor, d_state: int) -> str | None:
                     "use impl='unfused', or split the sequences into calls of fewer tokens, each passing "
                     "its final state on as the next call's h0")
         return None
-    if d_state not in UNFUSED_DSTATES:
-        return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
-                f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
+    reason = unfused_dstate_reason(impl, d_state)
+    if reason is not None:
+        return reason
     if Dm % UNFUSED_DIM_MULTIPLE != 0:
         return (f"d_model D = {Dm} is not supported by impl='{impl}' (D must be a multiple of "
                 f"{UNFUSED_DIM_MULTIPLE}); use impl='reference'")

@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
 from ._extension import extension_available, require_extension
-from .api import CUDA_DTYPES, IMPLS, UNFUSED_DSTATES, UNFUSED_DIM_MULTIPLE, ScanConfig
+from .api import IMPLS, UNFUSED_DIM_MULTIPLE, ScanConfig, cuda_input_reason, unfused_dstate_reason
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d
 
@@ -102,14 +102,9 @@ def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: 
     """Why `impl` ('unfused' or 'fused') cannot run the block on these inputs, or None when it can."""
     if impl == "fused":
         return _FUSED_MESSAGE.removeprefix("selscan_fused: ")
-    if not x.is_cuda:
-        return f"hidden_states is on {x.device}; impl='{impl}' needs CUDA tensors (impl='reference' runs on the CPU)"
-    if x.dtype not in CUDA_DTYPES:
-        return (f"hidden_states has dtype {x.dtype}; impl='{impl}' takes float32, bfloat16 or float16 "
-                "(impl='reference' also takes float64)")
-    if d_state not in UNFUSED_DSTATES:
-        return (f"d_state N = {d_state} is not supported by impl='{impl}' (supported: "
-                f"{', '.join(map(str, UNFUSED_DSTATES))}); use impl='reference'")
+    reason = cuda_input_reason(impl, x, "hidden_states") or unfused_dstate_reason(impl, d_state)
+    if reason is not None:
+        return reason
     if d_inner % UNFUSED_DIM_MULTIPLE != 0:
         return (f"d_inner = {d_inner} is not supported by impl='{impl}' (a multiple of {UNFUSED_DIM_MULTIPLE}); "
                 "use impl='reference'")
