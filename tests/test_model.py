@@ -355,14 +355,19 @@ def test_greedy_generate_equals_transformers(tmp_path, tie):
     hf = make_hf(vocab=97, tie=tie)
     hf.save_pretrained(tmp_path)
     m = MambaLM.from_pretrained(tmp_path, impl="reference")
+    generated = set()
     for shape in ((3, 7), (1, 1), (2, 16)):
         ids = torch.randint(0, 97, shape)
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
         out = generate(m, ids, 20)
         assert out.shape == (shape[0], shape[1] + 20)
         assert torch.equal(out, ref), (out, ref)
-        if not tie:  # untied random models do not fall into one repeated token
-            assert all(len(set(r[shape[1]:].tolist())) > 5 for r in out)
+        generated |= set(out[:, shape[1]:].flatten().tolist())
+    if not tie:
+        # The comparison means something only if the model does not emit one token throughout. One row of
+        # an untied random model can settle on a repeated token (3 of 61 seeds had a row with 1-2
+        # distinct tokens), but the 120 generated tokens together held 44-66 distinct ones in all 61.
+        assert len(generated) > 20, sorted(generated)
 
 
 def test_sampling_follows_transformers_warpers_and_is_reproducible():
