@@ -132,7 +132,7 @@ ext_modules, cmdclass = extension_modules()
 
 setup(
     name="selscan_fused",
-    version="0.2.0",
+    version="0.2.1",
     description="Selective state-space (Mamba-1 style) scan layer for PyTorch with a fused Hopper kernel",
     packages=find_packages(include=["selscan_fused", "selscan_fused.*"]),
     python_requires=">=3.10",

@@ -15,7 +15,7 @@ from .module import SelectiveScan
 from .model import MambaLM, MambaLMConfig
 from .generation import generate, stream_generate
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "selective_scan",

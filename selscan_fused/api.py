@@ -10,6 +10,7 @@ import torch
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
 from ._extension import extension_available, fused_extension_available, require_extension
 from .reference import selective_scan_ref
+from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, sequence_bounds
 
 IMPLS = ("auto", "fused", "unfused", "reference")
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -334,12 +335,21 @@ def selective_scan(
     return_final_state: bool = False,
     impl: str = "auto",
     config: ScanConfig | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    validate: bool = True,
 ):
     """Selective state-space scan (Mamba-1 style, full-rank delta projection); see selscan_fused.reference
     for the math and every tensor's shape.
 
     Returns y (batch, L, D) in x's dtype, or (y, final_state) with final_state (batch, D, N) float32
     (float64 for impl='reference' on float64 x) when return_final_state is True.
+
+    Packed sequences (selscan_fused/varlen.py): with cu_seqlens (int32, (num_seqs + 1,)), x holds the
+    tokens of num_seqs sequences packed as (1, total_tokens, D); the state restarts at every sequence
+    start (from h0[s] when h0, (num_seqs, D, N), is given) and final_state is (num_seqs, D, N): each
+    sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
+    (one synchronisation); validate=False trusts them. impl='reference' only in this version (an error
+    for 'unfused' and 'fused'; 'auto' runs the reference with a warning for CUDA tensors).
 
     Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
     in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
@@ -355,7 +365,16 @@ def selective_scan(
     """
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
-    _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+    if cu_seqlens is None:
+        _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+    else:
+        _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, None)
+        if x.shape[0] != 1:
+            raise packed_batch_error("x", x, "D")
+        num_seqs = check_cu_seqlens(cu_seqlens, x.shape[1], x.device, validate=validate)
+        if h0 is not None:
+            check_per_sequence("h0", h0, (num_seqs,) + tuple(A_log.shape),
+                               f"num_seqs = {num_seqs} from cu_seqlens, (D, N) from A_log", x.device)
     cfg = DEFAULT_CONFIG if config is None else config
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
@@ -372,7 +391,12 @@ def selective_scan(
         chosen = "fused"  # a switch of the fused kernel's asks for it
     else:
         chosen = resolve_impl(impl, x, N, train)
-    if impl == "auto" and chosen == "reference" and x.is_cuda:
+    if cu_seqlens is not None and chosen != "reference":
+        if impl != "auto":
+            raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
+        chosen = "reference"
+        warnings.warn(f"selscan_fused: {CUDA_VARLEN_MESSAGE}; impl='auto' runs the slow reference")
+    elif impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
     # Parameter dtypes: weights in x's dtype, the rest float32 (the reference keeps float64 for float64 x).
@@ -386,7 +410,14 @@ def selective_scan(
 
     if chosen == "reference":
         with torch.autocast(x.device.type, enabled=False):
-            y, h = selective_scan_ref(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+            if cu_seqlens is None:
+                y, h = selective_scan_ref(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
+            else:  # one sequence at a time: the definition of the packed result
+                parts = [selective_scan_ref(x[:, a:b], A_log, W_delta, b_delta, W_B, W_C, D,
+                                            None if h0 is None else h0[s:s + 1])
+                         for s, (a, b) in enumerate(sequence_bounds(cu_seqlens, x.shape[1]))]
+                y = torch.cat([p[0] for p in parts], 1)
+                h = torch.cat([p[1] for p in parts], 0)
         return (y, h) if return_final_state else y
 
     if impl != "auto":  # 'auto' only picks a path that supports the inputs

@@ -28,6 +28,7 @@ from ._extension import extension_available, require_extension
 from .api import IMPLS, UNFUSED_DIM_MULTIPLE, ScanConfig, cuda_input_reason, unfused_dstate_reason
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d
+from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, sequence_bounds
 
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
 
@@ -156,6 +157,8 @@ def mamba_block(
     return_final_state: bool = False,
     impl: str = "auto",
     config: ScanConfig | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    validate: bool = True,
 ):
     """The Mamba-1 block (selscan_fused/block_reference.py gives the math and every shape).
 
@@ -170,20 +173,56 @@ def mamba_block(
     A_log, the delta bias (dt_proj_bias), D, h0, the state and all accumulation are float32. Under
     torch.autocast (CUDA) float32 input is cast to the autocast dtype first, as nn.Linear would be.
     config: ScanConfig(l_segments=...) for the scan kernel (the fused kernel's switches do not apply).
+
+    Packed sequences (selscan_fused/varlen.py): with cu_seqlens (int32, (num_seqs + 1,)),
+    hidden_states holds num_seqs sequences packed as (1, total_tokens, d_model); the scan state and the
+    conv window restart at every sequence start (from h0[s], (num_seqs, d_inner, N), and conv_state[s],
+    (num_seqs, d_inner, d_conv - 1), when given) and the final states are per sequence: each
+    sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
+    (one synchronisation); validate=False trusts them. impl='reference' only in this version (an error
+    for 'unfused'; 'auto' runs the reference with a warning for CUDA tensors).
     """
+    packed = cu_seqlens is not None
     d_model, d_inner, N, R, W = _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
                                               x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D,
-                                              out_proj_weight, out_proj_bias, h0, conv_state)
+                                              out_proj_weight, out_proj_bias, None if packed else h0,
+                                              None if packed else conv_state)
     x = hidden_states
+    if packed:
+        if x.shape[0] != 1:
+            raise packed_batch_error("hidden_states", x, "d_model")
+        S = check_cu_seqlens(cu_seqlens, x.shape[1], x.device, validate=validate, x_name="hidden_states")
+        why = f"num_seqs = {S} from cu_seqlens, d_inner = {d_inner} from A_log"
+        if h0 is not None:
+            check_per_sequence("h0", h0, (S, d_inner, N), f"{why}, d_state = {N} from A_log", x.device,
+                               "hidden_states")
+        if conv_state is not None:
+            check_per_sequence("conv_state", conv_state, (S, d_inner, W - 1),
+                               f"{why}, d_conv = {W} from conv_weight: the last d_conv - 1 inputs of the conv",
+                               x.device, "hidden_states")
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
-    chosen = resolve_block_impl(impl, x, d_inner, N, W)
+    if packed and impl == "auto" and x.is_cuda:
+        warnings.warn(f"selscan_fused: {CUDA_VARLEN_MESSAGE}; impl='auto' runs the slow reference")
+        chosen = "reference"
+    else:
+        chosen = resolve_block_impl(impl, x, d_inner, N, W)
+    if packed and chosen != "reference":
+        raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()
     if chosen == "reference":
+        weights = (in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                   dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias)
         with torch.autocast(x.device.type, enabled=False):
-            out, h, conv = mamba_block_ref(x, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,
-                                           dt_proj_weight, dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias,
-                                           h0, conv_state)
+            if not packed:
+                out, h, conv = mamba_block_ref(x, *weights, h0, conv_state)
+            else:  # one sequence at a time: the definition of the packed result
+                parts = [mamba_block_ref(x[:, a:b], *weights, None if h0 is None else h0[s:s + 1],
+                                         None if conv_state is None else conv_state[s:s + 1])
+                         for s, (a, b) in enumerate(sequence_bounds(cu_seqlens, x.shape[1], x_name="hidden_states"))]
+                out = torch.cat([p[0] for p in parts], 1)
+                h = torch.cat([p[1] for p in parts], 0)
+                conv = torch.cat([p[2] for p in parts], 0)
         return (out, h, conv) if return_final_state else out
     if chosen == "fused":
         raise ValueError(_FUSED_MESSAGE)
@@ -228,8 +267,9 @@ class Mamba(nn.Module):
         out_proj  nn.Linear(d_inner, d_model, bias=bias)
 
     d_inner = expand * d_model; dt_rank = ceil(d_model / 16) when "auto".
-    forward(hidden_states (batch, L, d_model), h0=None, conv_state=None, return_final_state=False): see
-    selscan_fused.mamba_block (impl, config, dtypes, the states).
+    forward(hidden_states (batch, L, d_model), h0=None, conv_state=None, return_final_state=False,
+    cu_seqlens=None, validate=True): see selscan_fused.mamba_block (impl, config, dtypes, the states,
+    packed sequences).
     """
 
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank="auto",
@@ -275,9 +315,11 @@ class Mamba(nn.Module):
                 self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight, self.out_proj.bias)
 
     def forward(self, hidden_states: torch.Tensor, h0: torch.Tensor | None = None,
-                conv_state: torch.Tensor | None = None, return_final_state: bool = False):
+                conv_state: torch.Tensor | None = None, return_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None, validate: bool = True):
         return mamba_block(hidden_states, *self.weights(), h0=h0, conv_state=conv_state,
-                           return_final_state=return_final_state, impl=self.impl, config=self.config)
+                           return_final_state=return_final_state, impl=self.impl, config=self.config,
+                           cu_seqlens=cu_seqlens, validate=validate)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, d_conv={self.d_conv}, "

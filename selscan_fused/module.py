@@ -34,8 +34,13 @@ class SelectiveScan(nn.Module):
         self.proj_delta = nn.Linear(d_model, d_model, **factory)
         self.D = nn.Parameter(torch.ones(d_model, **factory))
 
-    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None, return_final_state: bool = False):
+    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None, return_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None, validate: bool = True):
         A_log, W_delta, b_delta, W_B, W_C, D = self._weights()
+        if cu_seqlens is not None:  # packed sequences (selective_scan's docstring)
+            return selective_scan(x, A_log, W_delta, b_delta, W_B, W_C, D, h0=h0,
+                                  return_final_state=return_final_state, impl=self.impl, config=self.config,
+                                  cu_seqlens=cu_seqlens, validate=validate)
         return selective_scan(x, A_log, W_delta, b_delta, W_B, W_C, D, h0=h0, return_final_state=return_final_state,
                               impl=self.impl, config=self.config)
 

@@ -1,0 +1,311 @@
+"""Packed variable-length sequences (cu_seqlens) for the layer and the Mamba block: the packed result
+against an independent float64 evaluation that walks the packed tokens once and restarts the state (and
+the conv window) at every sequence start, values and gradients; the argument checks and their messages;
+validate=False reading nothing on the host."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import selscan_fused
+from selscan_fused import Mamba, mamba_block, selective_scan
+from selscan_fused.varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens
+from conftest import TOLERANCE, fresh_seed, make_inputs, rel_l2, requires_cuda
+
+LAYER_ARGS = ("A_log", "W_delta", "b_delta", "W_B", "W_C", "D")
+
+
+def cu_of(lengths, device="cpu"):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def starts_and_ids(cu, T):
+    starts = torch.zeros(T, dtype=torch.bool)
+    starts[cu[:-1].long()] = True
+    return starts.tolist(), (torch.cumsum(starts.long(), 0) - 1).tolist()
+
+
+def packed_layer_walk(x, A_log, W_delta, b_delta, W_B, W_C, D, cu, h0=None):
+    """One walk over the packed tokens in x's dtype, the state reset (to h0[s] or zeros) where a sequence
+    starts, each sequence's final state taken at its last token. Independent of the library's code."""
+    T = x.shape[1]
+    xt = x[0]
+    delta = F.softplus(xt @ W_delta.T + b_delta)
+    Bt, Ct = xt @ W_B.T, xt @ W_C.T
+    A = -torch.exp(A_log)
+    starts, ids = starts_and_ids(cu, T)
+    S = cu.shape[0] - 1
+    h = None
+    ys, finals = [], [None] * S
+    for t in range(T):
+        if starts[t]:
+            h = h0[ids[t]] if h0 is not None else torch.zeros_like(A)
+        h = torch.exp(delta[t][:, None] * A) * h + (delta[t] * xt[t])[:, None] * Bt[t][None, :]
+        ys.append(h @ Ct[t] + D * xt[t])
+        finals[ids[t]] = h
+    return torch.stack(ys)[None], torch.stack(finals)
+
+
+def packed_block_walk(x, w, cu, h0=None, conv_state=None):
+    """The block over packed tokens in one walk (w: mamba_block's weights by name), the conv window and
+    the scan state restarting at every sequence start."""
+    T = x.shape[1]
+    d_inner, N = w["A_log"].shape
+    R = w["dt_proj_weight"].shape[1]
+    cw = w["conv_weight"].reshape(d_inner, -1)
+    Wc = cw.shape[1]
+    xz = F.linear(x[0], w["in_proj_weight"], w["in_proj_bias"])
+    xi, z = xz[:, :d_inner], xz[:, d_inner:]
+    starts, ids = starts_and_ids(cu, T)
+    S = cu.shape[0] - 1
+    A = -torch.exp(w["A_log"])
+    h, window = None, None
+    ys, finals, conv_finals = [], [None] * S, [None] * S
+    for t in range(T):
+        s = ids[t]
+        if starts[t]:
+            h = h0[s] if h0 is not None else torch.zeros_like(A)
+            window = (conv_state[s] if conv_state is not None else xi.new_zeros(d_inner, Wc - 1))
+        window = torch.cat([window, xi[t][:, None]], 1)[:, -Wc:]       # the last Wc inputs, oldest first
+        pre = (window * cw).sum(1) + (w["conv_bias"] if w["conv_bias"] is not None else 0)
+        u = F.silu(pre)
+        window = window[:, 1:]                                          # keep Wc - 1
+        xdbl = u @ w["x_proj_weight"].T
+        delta = F.softplus(xdbl[:R] @ w["dt_proj_weight"].T + w["dt_proj_bias"])
+        Bt, Ct = xdbl[R:R + N], xdbl[R + N:]
+        h = torch.exp(delta[:, None] * A) * h + (delta * u)[:, None] * Bt[None, :]
+        ys.append((h @ Ct + w["D"] * u) * F.silu(z[t]))
+        finals[s], conv_finals[s] = h, window
+    out = F.linear(torch.stack(ys), w["out_proj_weight"], w["out_proj_bias"])
+    return out[None], torch.stack(finals), torch.stack(conv_finals)
+
+
+# Lengths: single tokens, sequences shorter than the conv window, odd lengths, one long one, and many short.
+MIXES = {
+    "mixed": [7, 1, 130, 3, 1000, 2],
+    "long": [4097, 5],
+    "many-short": [1, 2, 3, 1, 5] * 40,
+    "one": [64],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_layer_packed_equals_walk_float64(mix, with_h0):
+    fresh_seed()
+    lengths = MIXES[mix]
+    S, T = len(lengths), sum(lengths)
+    inp = make_inputs(1, T, 8, 4, dtype=torch.float64)
+    p = {k: inp[k].double() for k in LAYER_ARGS}
+    h0 = torch.randn(S, 8, 4, dtype=torch.float64) if with_h0 else None
+    cu = cu_of(lengths)
+    y, hT = selective_scan(inp["x"], *p.values(), h0=h0, return_final_state=True, impl="reference", cu_seqlens=cu)
+    y_w, hT_w = packed_layer_walk(inp["x"], *p.values(), cu, h0)
+    assert y.shape == (1, T, 8) and hT.shape == (S, 8, 4)
+    torch.testing.assert_close(y, y_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hT, hT_w, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_packed_gradients_float64():
+    fresh_seed()
+    lengths = [5, 1, 17, 2]
+    S, T = len(lengths), sum(lengths)
+    inp = make_inputs(1, T, 8, 4, dtype=torch.float64)
+    leaves = {k: inp[k].double().clone().requires_grad_() for k in ("x",) + LAYER_ARGS}
+    h0 = torch.randn(S, 8, 4, dtype=torch.float64, requires_grad=True)
+    cu = cu_of(lengths)
+    gy, gh = torch.randn(1, T, 8, dtype=torch.float64), torch.randn(S, 8, 4, dtype=torch.float64)
+
+    def grads(fn):
+        y, hT = fn()
+        return torch.autograd.grad((y * gy).sum() + (hT * gh).sum(), list(leaves.values()) + [h0])
+
+    args = [leaves[k] for k in ("x",) + LAYER_ARGS]
+    got = grads(lambda: selective_scan(*args, h0=h0, return_final_state=True, impl="reference", cu_seqlens=cu))
+    want = grads(lambda: packed_layer_walk(*args, cu, h0))
+    for name, a, b in zip(list(leaves) + ["h0"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+def test_layer_packed_float32_within_bound():
+    fresh_seed()
+    lengths = [300, 1, 41]
+    T = sum(lengths)
+    inp = make_inputs(1, T, 16, 8)
+    cu = cu_of(lengths)
+    layer = selscan_fused.SelectiveScan(16, 8, impl="reference")
+    with torch.no_grad():
+        for name, t in zip(("A_log", "proj_delta.weight", "proj_delta.bias", "proj_B.weight", "proj_C.weight", "D"),
+                           (inp[k] for k in LAYER_ARGS)):
+            layer.get_parameter(name).copy_(t)
+        y, hT = layer(inp["x"], return_final_state=True, cu_seqlens=cu)
+    y_w, hT_w = packed_layer_walk(inp["x"].double(), *(inp[k].double() for k in LAYER_ARGS), cu)
+    assert y.dtype == torch.float32
+    # docs/math.md's bound for float32 (relative L2 against the float64 evaluation)
+    assert rel_l2(y, y_w) <= TOLERANCE["float32-highest"] and rel_l2(hT, hT_w) <= TOLERANCE["float32-highest"]
+
+
+def make_block(d_model=8, d_state=4, d_conv=4, dtype=torch.float64, conv_bias=True, bias=False):
+    block = Mamba(d_model, d_state=d_state, d_conv=d_conv, dt_rank=3, impl="reference", conv_bias=conv_bias,
+                  bias=bias, dtype=dtype)
+    with torch.no_grad():  # off the initialisation's symmetric values
+        block.A_log.add_(torch.randn_like(block.A_log) * 0.5)
+        block.D.add_(torch.randn_like(block.D) * 0.5)
+        if block.conv1d.bias is not None:
+            block.conv1d.bias.add_(torch.randn_like(block.conv1d.bias) * 0.1)
+        if block.in_proj.bias is not None:
+            block.in_proj.bias.add_(torch.randn_like(block.in_proj.bias) * 0.1)
+    return block
+
+
+BLOCK_NAMES = ("in_proj_weight", "in_proj_bias", "conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight",
+               "dt_proj_bias", "A_log", "D", "out_proj_weight", "out_proj_bias")
+
+
+@pytest.mark.parametrize("mix", ["mixed", "many-short", "one"])
+@pytest.mark.parametrize("states", [False, True])
+@pytest.mark.parametrize("d_conv,bias", [(4, False), (2, True)])
+def test_block_packed_equals_walk_float64(mix, states, d_conv, bias):
+    fresh_seed()
+    lengths = MIXES[mix]
+    S, T = len(lengths), sum(lengths)
+    block = make_block(d_conv=d_conv, bias=bias, conv_bias=not bias)
+    x = torch.randn(1, T, 8, dtype=torch.float64)
+    h0 = torch.randn(S, 16, 4, dtype=torch.float64) if states else None
+    cs = torch.randn(S, 16, d_conv - 1, dtype=torch.float64) if states else None
+    cu = cu_of(lengths)
+    out, hT, cT = block(x, h0, cs, return_final_state=True, cu_seqlens=cu)
+    w = dict(zip(BLOCK_NAMES, block.weights()))
+    out_w, hT_w, cT_w = packed_block_walk(x, w, cu, h0, cs)
+    assert out.shape == (1, T, 8) and hT.shape == (S, 16, 4) and cT.shape == (S, 16, d_conv - 1)
+    torch.testing.assert_close(out, out_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hT, hT_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cT, cT_w, rtol=1e-12, atol=1e-12)
+
+
+def test_block_packed_gradients_float64():
+    fresh_seed()
+    lengths = [6, 1, 2, 11]
+    S, T = len(lengths), sum(lengths)
+    block = make_block(bias=True)
+    x = torch.randn(1, T, 8, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(S, 16, 4, dtype=torch.float64, requires_grad=True)
+    cs = torch.randn(S, 16, 3, dtype=torch.float64, requires_grad=True)
+    cu = cu_of(lengths)
+    go, gh, gc = torch.randn(1, T, 8, dtype=torch.float64), torch.randn(S, 16, 4, dtype=torch.float64), \
+        torch.randn(S, 16, 3, dtype=torch.float64)
+    params = [p for p in block.weights() if p is not None]
+
+    def grads(fn):
+        out, hT, cT = fn()
+        return torch.autograd.grad((out * go).sum() + (hT * gh).sum() + (cT * gc).sum(), [x, h0, cs] + params)
+
+    w = dict(zip(BLOCK_NAMES, block.weights()))
+    got = grads(lambda: block(x, h0, cs, return_final_state=True, cu_seqlens=cu))
+    want = grads(lambda: packed_block_walk(x, w, cu, h0, cs))
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"gradient {i}: {m}")
+
+
+def test_block_functional_packed_matches_module():
+    fresh_seed()
+    block = make_block(dtype=torch.float32)
+    cu = cu_of([3, 9, 1])
+    x = torch.randn(1, 13, 8)
+    a = block(x, cu_seqlens=cu)
+    b = mamba_block(x, *block.weights(), impl="reference", cu_seqlens=cu, validate=False)
+    assert torch.equal(a, b)
+    # and the result of each sequence alone, exactly (the reference runs them one by one)
+    alone = torch.cat([block(x[:, s:e]) for s, e in ((0, 3), (3, 12), (12, 13))], 1)
+    assert torch.equal(a, alone)
+
+
+# ---- the checks and their messages ----
+
+def layer_call(x, cu, h0=None, impl="reference", validate=True):
+    inp = make_inputs(1, 4, 8, 4)
+    return selective_scan(x, *(inp[k] for k in LAYER_ARGS), h0=h0, impl=impl, cu_seqlens=cu, validate=validate)
+
+
+@pytest.mark.parametrize("cu,exc,words", [
+    (torch.tensor([0, 3, 5], dtype=torch.int64), TypeError, ["cu_seqlens", "int64", "int32"]),
+    ([0, 3, 5], TypeError, ["cu_seqlens", "torch.Tensor", "list"]),
+    (torch.tensor([[0, 3, 5]], dtype=torch.int32), ValueError, ["cu_seqlens", "(1, 3)", "(num_seqs + 1,)"]),
+    (torch.tensor([0], dtype=torch.int32), ValueError, ["cu_seqlens", "(1,)", "num_seqs >= 1"]),
+    (torch.tensor([1, 3, 5], dtype=torch.int32), ValueError, ["cu_seqlens[0] = 1", "must be 0"]),
+    (torch.tensor([0, 3, 3, 5], dtype=torch.int32), ValueError, ["strictly increasing", "cu_seqlens[2] = 3"]),
+    (torch.tensor([0, 4, 2, 5], dtype=torch.int32), ValueError, ["strictly increasing", "cu_seqlens[2] = 2"]),
+    (torch.tensor([0, 3, 6], dtype=torch.int32), ValueError, ["cu_seqlens[-1] = 6", "5 packed tokens"]),
+    (torch.tensor([0, 3, 4], dtype=torch.int32), ValueError, ["cu_seqlens[-1] = 4", "5 packed tokens"]),
+])
+def test_bad_cu_seqlens_named(cu, exc, words):
+    x = torch.randn(1, 5, 8)
+    with pytest.raises(exc) as e:
+        layer_call(x, cu)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    block = make_block(dtype=torch.float32)
+    with pytest.raises(exc) as e:
+        block(x, cu_seqlens=cu)
+    for w in words:
+        assert w in str(e.value).replace("hidden_states holds", "x holds"), (w, str(e.value))
+
+
+def test_packed_shapes_named():
+    cu = cu_of([2, 3])
+    with pytest.raises(ValueError, match=r"with cu_seqlens, x holds the packed tokens .*\(batch 2\)"):
+        layer_call(torch.randn(2, 5, 8), cu)
+    with pytest.raises(ValueError, match=r"h0 has shape \(1, 8, 4\), expected \(2, 8, 4\) \(num_seqs = 2 from cu_seqlens"):
+        layer_call(torch.randn(1, 5, 8), cu, h0=torch.randn(1, 8, 4))
+    block = make_block(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"with cu_seqlens, hidden_states holds .*\(batch 2\)"):
+        block(torch.randn(2, 5, 8), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"h0 has shape \(1, 16, 4\), expected \(2, 16, 4\) \(num_seqs = 2"):
+        block(torch.randn(1, 5, 8), torch.randn(1, 16, 4), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"conv_state has shape \(2, 16, 4\), expected \(2, 16, 3\) .*d_conv = 4"):
+        block(torch.randn(1, 5, 8), None, torch.randn(2, 16, 4), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens is on meta but x is on cpu"):
+        layer_call(torch.randn(1, 5, 8), cu.to("meta"))
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        layer_call(torch.randn(1, 5, 8), cu, validate=1)
+
+
+def test_cuda_paths_name_the_argument():
+    cu = cu_of([2, 3])
+    for impl in ("unfused", "fused"):
+        with pytest.raises(ValueError) as e:
+            layer_call(torch.randn(1, 5, 8), cu, impl=impl)
+        assert CUDA_VARLEN_MESSAGE in str(e.value)
+    block = make_block(dtype=torch.float32)
+    for impl in ("unfused", "fused"):
+        with pytest.raises(ValueError) as e:
+            mamba_block(torch.randn(1, 5, 8), *block.weights(), impl=impl, cu_seqlens=cu)
+        assert CUDA_VARLEN_MESSAGE in str(e.value)
+
+
+def test_validate_false_reads_nothing_on_the_host(monkeypatch):
+    """validate=False checks the metadata only: no value of cu_seqlens is read (a meta tensor has none)."""
+    cu = torch.empty(7, dtype=torch.int32, device="meta")
+    assert check_cu_seqlens(cu, 100, torch.device("meta"), validate=False) == 6
+    with pytest.raises(NotImplementedError):  # validate=True reads the values: impossible on meta
+        check_cu_seqlens(cu, 100, torch.device("meta"), validate=True)
+    calls = []
+    real = torch.Tensor.tolist
+    cu = cu_of([2, 3])
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or real(self))
+    check_cu_seqlens(cu, 5, torch.device("cpu"), validate=True)
+    assert len(calls) == 1  # one read (one synchronisation on a GPU)
+    check_cu_seqlens(cu, 5, torch.device("cpu"), validate=False)
+    assert len(calls) == 1
+
+
+@requires_cuda
+def test_cuda_auto_runs_the_reference_with_a_warning():
+    fresh_seed()
+    lengths = [5, 1, 9]
+    cu = cu_of(lengths, "cuda")
+    inp = make_inputs(1, 15, 16, 8, device="cuda")
+    args = [inp[k] for k in ("x",) + LAYER_ARGS]
+    with pytest.warns(UserWarning, match="cu_seqlens"):
+        y = selective_scan(*args, cu_seqlens=cu)
+    y_w, _ = packed_layer_walk(*(a.double().cpu() for a in args), cu.cpu())
+    assert rel_l2(y.cpu(), y_w) <= TOLERANCE["float32-highest"]
