@@ -11,6 +11,14 @@ exactly 1 to exactly 0 in float32), x from 1e-3 to 1e3, the delta projection sca
 softplus arguments run past -20 and +20 and delta spans about 1e-4 to 1e2 (float16 cases stay inside its
 range: x up to 3, delta up to about 5). A third of the cases run the backward too, against float64 autograd.
 
+Block cases (path 'block-unfused', or 'block-reference' for the harness's own tests): the Mamba-1 block
+(selscan_fused.mamba_block) with d_model a multiple of 8, expand 2, N 8-64, d_conv 2-4, dt_rank from 1 to
+ceil(d_model / 16) + 8, with or without h0 and conv_state, the same decay and delta-bias ranges, x from
+1e-2 to 1e2; judged the same way on out, both final states and every gradient, against
+block_reference.mamba_block_ref in float64 and float32 and, for bfloat16/float16, against the float32
+evaluation of the unfused block's design (each product's output, the conv's output and y rounded to the
+dtype where the path's kernels and library products write theirs).
+
 The bound. Far from the initialisation the problem itself can be ill-conditioned (a softplus argument
 that cancels, a decay raised to thousands of tokens), so the float32 evaluation of the same formulas
 in plain PyTorch (selscan_fused.reference in float32, the same matmul precision) is run beside the path:
@@ -28,7 +36,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 import selscan_fused
-from selscan_fused.reference import selective_scan_ref
+import torch.nn.functional as F
+
+from selscan_fused.block_reference import mamba_block_ref
+from selscan_fused.conv import causal_conv1d_ref
+from selscan_fused.reference import scan_ref, selective_scan_ref
 from selscan_fused.api import FUSED_DIM_MULTIPLE, UNFUSED_DIM_MULTIPLE
 
 TOLERANCE = {"float32-highest": 1e-5, "float32-high": 1e-3, "bfloat16": 1e-2, "float16": 3e-3}
@@ -55,6 +67,10 @@ class Case:
     b_lo: float        # delta bias range (softplus argument offsets)
     b_hi: float
     backward: bool
+    # block cases only (impl 'block-...'): Dm is d_model; d_inner = 2 Dm; with_h0 also gives a conv state
+    d_conv: int = 0
+    dt_rank: int = 0
+    biases: bool = False   # in_proj / out_proj biases (mamba-ssm's bias=True); the conv's bias otherwise
 
     def line(self) -> str:
         return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
@@ -63,6 +79,8 @@ class Case:
 def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
     r = random.Random(f"{seed}:{index}")
     impl = r.choice(impls)
+    if impl.startswith("block-"):
+        return _make_block_case(r, seed, index, impl)
     mode = r.choice(list(TOLERANCE))
     N = r.choice([8, 16, 32, 64])
     if impl == "fused":
@@ -88,6 +106,130 @@ def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
         b_lo = min(b_lo, b_hi)
     return Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
                 r.random() < 1 / 3)
+
+
+def _make_block_case(r: random.Random, seed: int, index: int, impl: str) -> Case:
+    mode = r.choice(list(TOLERANCE))
+    N = r.choice([8, 16, 16, 32, 64])
+    Dm = 8 * r.choice([1, 2, 3, 6, 12, 24, 48, 96])
+    L = max(1, int(round(math.exp(r.uniform(0.0, math.log(4097))))))
+    if r.random() < 0.15:
+        L = r.choice([1, 7, 1000, 4097])
+    batch = r.choice([1, 1, 2, 3]) if L > 1500 else r.choice([1, 2, 3, 5])
+    while batch * L * 2 * Dm > 3_000_000 and Dm > 8:  # keeps the float64 evaluation quick
+        Dm = max(8, Dm // 2 - (Dm // 2) % 8)
+    lo, hi = sorted((r.uniform(-8.0, 4.0), r.uniform(-8.0, 4.0)))
+    x_scale = 10 ** r.uniform(-2.0, 2.0)
+    z_scale = 10 ** r.uniform(-2.0, 1.0)
+    b_lo, b_hi = sorted((r.uniform(-25.0, 25.0), r.uniform(-25.0, 60.0)))
+    if mode == "float16":
+        x_scale = min(x_scale, 3.0)
+        b_hi = min(b_hi, 5.0)
+        b_lo = min(b_lo, b_hi)
+    return Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
+                r.random() < 1 / 3, d_conv=r.choice([2, 3, 4, 4]), dt_rank=r.randint(1, math.ceil(Dm / 16) + 8),
+                biases=r.random() < 0.25)
+
+
+BLOCK_NAMES = ("hidden_states", "in_proj_weight", "in_proj_bias", "conv_weight", "conv_bias", "x_proj_weight",
+               "dt_proj_weight", "dt_proj_bias", "A_log", "D", "out_proj_weight", "out_proj_bias", "h0", "conv_state")
+_BLOCK_PRODUCTS = ("in_proj_weight", "in_proj_bias", "x_proj_weight", "dt_proj_weight", "out_proj_weight",
+                   "out_proj_bias")
+
+
+def block_case_inputs(c: Case, device="cuda"):
+    """mamba_block's arguments by name: the four products' weights (and biases) in the case's dtype, the
+    conv's, A_log, the delta bias and D float32, hidden_states and conv_state in the dtype, h0 float32."""
+    g = torch.Generator(device="cpu").manual_seed(c.seed * 1_000_003 + c.index)
+    dt = DTYPE[c.mode]
+    Dm, Di, N, R, W = c.Dm, 2 * c.Dm, c.N, c.dt_rank, c.d_conv
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def uni(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=g)
+
+    inp = dict(
+        hidden_states=(rnd(c.batch, c.L, Dm) * c.x_scale).to(dt),
+        in_proj_weight=(rnd(2 * Di, Dm) * Dm ** -0.5).to(dt),
+        in_proj_bias=(rnd(2 * Di) * 0.1).to(dt) if c.biases else None,
+        conv_weight=rnd(Di, 1, W) * W ** -0.5,
+        conv_bias=None if c.biases else rnd(Di) * 0.1,
+        x_proj_weight=(rnd(R + 2 * N, Di) * Di ** -0.5).to(dt),
+        dt_proj_weight=(rnd(Di, R) * (c.z_scale * R ** -0.5)).to(dt),
+        dt_proj_bias=uni(c.b_lo, c.b_hi, Di),
+        A_log=uni(c.a_log_lo, c.a_log_hi, Di, N),
+        D=rnd(Di),
+        out_proj_weight=(rnd(Dm, Di) * Di ** -0.5).to(dt),
+        out_proj_bias=(rnd(Dm) * 0.1).to(dt) if c.biases else None,
+        h0=rnd(c.batch, Di, N) * c.x_scale if c.with_h0 else None,
+        conv_state=(rnd(c.batch, Di, W - 1) * c.x_scale).to(dt) if c.with_h0 else None,
+    )
+    return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
+
+
+def _block_design(a, dt):
+    """The float32 evaluation of the unfused block's design: the products in the dtype (their outputs
+    rounded to it, as cuBLAS writes them), the conv's output rounded to it, the scan and the gate in
+    float32, y rounded to it before out_proj."""
+    Di, N = a["A_log"].shape
+    R = a["dt_proj_weight"].shape[1]
+    W = a["conv_weight"].shape[-1]
+    f32 = torch.float32
+    xz = F.linear(a["hidden_states"], a["in_proj_weight"], a["in_proj_bias"])
+    xi, z = xz.split(Di, dim=-1)
+    u, conv_T = causal_conv1d_ref(xi, a["conv_weight"].reshape(Di, W).float(),
+                                  None if a["conv_bias"] is None else a["conv_bias"].float(),
+                                  None if a["conv_state"] is None else a["conv_state"].float(), activation=True,
+                                  compute_dtype=f32)
+    xdbl = F.linear(u, a["x_proj_weight"])
+    delta = F.softplus(F.linear(xdbl[..., :R], a["dt_proj_weight"]).float() + a["dt_proj_bias"].float())
+    y, h = scan_ref(u.float(), delta, a["A_log"].float(), xdbl[..., R:R + N].float(), xdbl[..., R + N:].float(),
+                    a["D"].float(), None if a["h0"] is None else a["h0"].float())
+    y = (y * F.silu(z.float())).to(dt)
+    out = F.linear(y, a["out_proj_weight"], a["out_proj_bias"])
+    return out, h, conv_T
+
+
+def _run_block_case(c: Case, device, path) -> list[str]:
+    inp = block_case_inputs(c, device)
+    dt = DTYPE[c.mode]
+    fails = []
+    leaves = [k for k, v in inp.items() if v is not None]
+    need_grad = c.backward
+    design = c.mode in ("bfloat16", "float16")
+    evals = ("path", "f32", "f64") + (("design",) if design else ())
+    copies = {which: {k: ((v.detach().double() if which == "f64" else v.detach().clone()).requires_grad_(need_grad)
+                          if v is not None else None) for k, v in inp.items()} for which in evals}
+    a = copies["path"]
+    fn = path or selscan_fused.mamba_block
+    outs_path = fn(*[a[k] for k in BLOCK_NAMES[:12]], h0=a["h0"], conv_state=a["conv_state"],
+                   return_final_state=True, impl=c.impl.removeprefix("block-"))
+    f = copies["f32"]
+    outs = {"path": outs_path,
+            "f32": mamba_block_ref(*[f[k] for k in BLOCK_NAMES[:12]], f["h0"], f["conv_state"],
+                                   compute_dtype=torch.float32),
+            "f64": mamba_block_ref(*[copies["f64"][k] for k in BLOCK_NAMES[:12]], copies["f64"]["h0"],
+                                   copies["f64"]["conv_state"])}
+    if design:
+        outs["design"] = _block_design(copies["design"], dt)
+    bound = max(TOLERANCE[c.mode], 3e-3) if c.mode == "float32-high" else TOLERANCE[c.mode]
+    for i, name in enumerate(("out", "final state", "conv state")):
+        fails += _check(name, outs["path"][i], outs["f32"][i], outs["f64"][i], bound,
+                        outs["design"][i] if design else None)
+    if need_grad and not fails:
+        g = torch.Generator(device="cpu").manual_seed(c.seed * 7 + c.index)
+        s = 2.0 ** -6 if c.mode == "float16" else 1.0
+        ups = [torch.randn(t.shape, generator=g).to(device) * s for t in outs["path"]]
+        grads = {}
+        for which in evals:
+            loss = sum((o.double() * u.double()).sum() for o, u in zip(outs[which], ups))
+            grads[which] = dict(zip(leaves, torch.autograd.grad(loss, [copies[which][k] for k in leaves])))
+        for k in leaves:
+            fails += _check(f"d{k}", grads["path"][k], grads["f32"][k], grads["f64"][k], bound,
+                            grads["design"][k] if design else None)
+    return fails
 
 
 def case_inputs(c: Case, device="cuda"):
@@ -195,6 +337,8 @@ def run_case(c: Case, device="cuda", path=None) -> list[str]:
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(_precision(c.mode))
     try:
+        if c.impl.startswith("block-"):
+            return _run_block_case(c, device, path)
         return _run_case(c, device, path or selscan_fused.selective_scan)
     finally:
         torch.set_float32_matmul_precision(old)
@@ -243,10 +387,14 @@ def _run_case(c: Case, device, path) -> list[str]:
     return fails
 
 
-def supported_impls():
+def supported_impls(block: bool = True):
+    """The CUDA paths the cases draw from: the layer's ('unfused', 'fused') and the block's
+    ('block-unfused'), as far as the extension and the GPU have them."""
     impls = []
     if selscan_fused.extension_available():
         impls.append("unfused")
+        if block:
+            impls.append("block-unfused")
     if (selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)):
         impls.append("fused")
     return tuple(impls)

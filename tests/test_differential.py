@@ -84,3 +84,44 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return 2 * g
+
+
+def _small_block_reference_cases(n, want=lambda c: True):
+    out, i = [], 0
+    while len(out) < n:
+        c = make_case(13, i, impls=("block-reference",))
+        i += 1
+        if c.batch * c.L * c.Dm <= 20_000 and c.L <= 200 and want(c):
+            out.append(c)
+    return out
+
+
+def test_block_cases_inside_the_unfused_envelope():
+    from selscan_fused.api import UNFUSED_DIM_MULTIPLE, UNFUSED_DSTATES
+    from selscan_fused.block import BLOCK_D_CONVS
+    for index in range(2000):
+        c = make_case(5, index, impls=("block-unfused",))
+        assert (2 * c.Dm) % UNFUSED_DIM_MULTIPLE == 0 and c.N in UNFUSED_DSTATES and c.d_conv in BLOCK_D_CONVS, c.line()
+        assert c.dt_rank >= 1 and c.batch >= 1 and 1 <= c.L <= 4097, c.line()
+
+
+def test_the_block_reference_passes_its_own_judge():
+    for c in _small_block_reference_cases(6):
+        assert run_case(c, device="cpu") == [], c.line()
+
+
+@pytest.mark.parametrize("mode", ["float32-highest", "bfloat16"])
+@pytest.mark.parametrize("wrong", ["scaled", "conv_state", "gradient"])
+def test_the_judge_catches_wrong_block_answers(wrong, mode):
+    def path(*a, **k):
+        out, h, conv = selscan_fused.mamba_block(*a, **k)
+        if wrong == "scaled":
+            return out * (1 + 3 * TOLERANCE[mode]), h, conv
+        if wrong == "conv_state":
+            return out, h, conv.flip(-1)
+        return _ScaleGrad.apply(out), h, conv
+
+    c = _small_block_reference_cases(1, lambda c: c.mode == mode and (c.backward or wrong != "gradient")
+                                     and (wrong != "conv_state" or c.d_conv > 2))[0]
+    assert run_case(c, device="cpu", path=path) != [], c.line()
+
