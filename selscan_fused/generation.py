@@ -9,6 +9,9 @@ CUDA graph and replayed).
 
 The prompt runs through the blocks' sequence path (MambaLM.prefill, impl=), each new token through the
 decode step (MambaLM.step); on CUDA the step is replayed from a CUDA graph unless cuda_graph=False.
+Prompts of different lengths (a list of lists) are prefilled one at a time, each into its own row of
+the decode cache, and then decoded together: each sequence's tokens are those of generating it alone
+(no padding, which a Mamba's state would absorb); generate returns a list of 1-D tensors for them.
 Sampling follows transformers: logits / temperature, then top-k (tokens below the k-th largest logit
 removed), then top-p (the smallest set of most likely tokens whose probability reaches top_p kept, at
 least one), then softmax and torch.multinomial; greedy takes the argmax (the first on ties).
@@ -63,8 +66,9 @@ class CUDAGraphStep:
         return self.logits
 
 
-def prompt_batch(input_ids, device) -> torch.Tensor:
-    """The prompts as a (batch, L) LongTensor on `device`; a clear error for ragged or empty prompts."""
+def prompt_batch(input_ids, device, ragged: bool = False):
+    """The prompts as a (batch, L) LongTensor on `device`; a clear error for empty prompts, and for
+    prompts of unequal lengths unless `ragged`, which returns those as a list of 1-D LongTensors."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2:
             raise ValueError(f"selscan_fused: input_ids must be a (batch, L) tensor of token ids, got shape "
@@ -75,9 +79,20 @@ def prompt_batch(input_ids, device) -> torch.Tensor:
                                                                  for p in input_ids):
         lengths = [len(p) for p in input_ids]
         if len(set(lengths)) != 1:
-            raise ValueError(f"selscan_fused: the prompts have unequal lengths {lengths}; generate takes prompts of "
-                             "equal length as a (batch, L) tensor. Padding is not supported (a Mamba's state would "
-                             "absorb the pad tokens): group prompts by length or generate them one at a time")
+            if not ragged:
+                raise ValueError(f"selscan_fused: the prompts have unequal lengths {lengths}; a (batch, L) tensor "
+                                 "needs prompts of equal length. Padding is not supported (a Mamba's state would "
+                                 "absorb the pad tokens): pass the prompts as a list of lists to generate / "
+                                 "stream_generate, which prefill them one at a time")
+            if min(lengths) == 0:
+                raise ValueError(f"selscan_fused: generate needs prompts of at least one token, got lengths {lengths}")
+            out = []
+            for p in input_ids:
+                t = torch.as_tensor(p if isinstance(p, torch.Tensor) else list(map(int, p)))
+                if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                    raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {t.dtype}")
+                out.append(t.to(device=device, dtype=torch.long))
+            return out
         ids = torch.as_tensor([list(map(int, p)) for p in input_ids], dtype=torch.long)
     else:
         raise TypeError("selscan_fused: input_ids must be a (batch, L) LongTensor or a list of equal-length lists of "
@@ -142,9 +157,10 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"selscan_fused: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     device = model.backbone.embedding.weight.device
-    ids = prompt_batch(input_ids, device)
+    ids = prompt_batch(input_ids, device, ragged=True)
     rows = model.backbone.embedding.num_embeddings
-    lo, hi = int(ids.min()), int(ids.max())
+    flat = torch.cat(ids) if isinstance(ids, list) else ids
+    lo, hi = int(flat.min()), int(flat.max())
     if lo < 0 or hi >= rows:
         raise ValueError(f"selscan_fused: the prompts hold token ids outside the vocabulary [0, {rows}): "
                          f"{lo if lo < 0 else hi}")
@@ -166,10 +182,15 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
 def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, fill, cuda_graph, generator, impl):
     if max_new_tokens == 0:
         return
-    device = ids.device
-    batch = ids.shape[0]
-    cache = model.allocate_cache(batch)
-    logits = model.prefill(ids, cache, impl=impl)
+    if isinstance(ids, list):  # prompts of different lengths: each prefilled alone into its cache row
+        device, batch = ids[0].device, len(ids)
+        cache = model.allocate_cache(batch)
+        logits = _prefill_rows(model, ids, cache, impl)
+    else:
+        device = ids.device
+        batch = ids.shape[0]
+        cache = model.allocate_cache(batch)
+        logits = model.prefill(ids, cache, impl=impl)
     if cuda_graph and device.type == "cuda":
         stepper = CUDAGraphStep(model, cache)
     else:
@@ -186,14 +207,31 @@ def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eo
         logits = stepper(tok)
 
 
+def _prefill_rows(model, prompts: list, cache, impl):
+    """Each prompt (1-D) through the blocks' sequence path alone, its final states written into its row
+    of the cache; returns the last position's logits of every prompt (batch, padded vocab)."""
+    out = []
+    for s, p in enumerate(prompts):
+        states = [(ssm[s:s + 1], conv[s:s + 1]) for ssm, conv in cache.states()]
+        logits, new = model(p[None], states=states, return_states=True, impl=impl, num_last_tokens=1)
+        for (ssm, conv), (ns, nc) in zip(states, new):
+            ssm.copy_(ns)
+            conv.copy_(nc)
+        out.append(logits[0, -1])
+    return torch.stack(out)
+
+
 def generate(model, input_ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_id=None, pad_token_id: int | None = None,
              cuda_graph: bool = True, generator: torch.Generator | None = None,
-             impl: str | None = None) -> torch.Tensor:
-    """Generates up to max_new_tokens tokens after each prompt: returns (batch, L + new) token ids.
+             impl: str | None = None):
+    """Generates up to max_new_tokens tokens after each prompt: returns (batch, L + new) token ids, or
+    for prompts of different lengths a list of 1-D tensors (each prompt followed by its new tokens).
 
-    input_ids: (batch, L) LongTensor (or a list of equal-length lists); prompts of unequal lengths are an
-        error (no padding: a Mamba's state would absorb the pad tokens).
+    input_ids: (batch, L) LongTensor, or a list of lists of token ids: of equal lengths (a batch), or of
+        different lengths, prefilled one at a time into their rows of the decode cache and then decoded
+        together (no padding: a Mamba's state would absorb pad tokens); each sequence's tokens are those
+        of generating it alone.
     do_sample=False: greedy. do_sample=True: temperature (> 0), top_k (0 = off), top_p (1 = off) as
         transformers defines them; generator: the torch.Generator multinomial draws from (on the model's
         device), for reproducible samples.
@@ -204,10 +242,13 @@ def generate(model, input_ids, max_new_tokens: int, do_sample: bool = False, tem
     impl: the blocks' path for the prompt (default the model's).
     """
     device = model.backbone.embedding.weight.device
-    ids = prompt_batch(input_ids, device)
+    ids = prompt_batch(input_ids, device, ragged=True)
     new = list(stream_generate(model, ids, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                                top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                cuda_graph=cuda_graph, generator=generator, impl=impl))
+    if isinstance(ids, list):
+        cols = torch.stack(new, dim=1) if new else torch.zeros(len(ids), 0, dtype=torch.long, device=device)
+        return [torch.cat([p, cols[s]]) for s, p in enumerate(ids)]
     if not new:
         return ids
     return torch.cat([ids, torch.stack(new, dim=1)], dim=1)

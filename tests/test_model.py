@@ -435,12 +435,38 @@ def test_eos_stops_rows_and_finished_rows_emit_pad():
         generate(m, ids, 3, eos_token_id=1, pad_token_id=500)
 
 
+def test_prompts_of_unequal_length_each_as_alone():
+    """A list of prompts of different lengths: each prefilled alone into its cache row, then decoded
+    together; every sequence's tokens are those of generating it alone (greedy, and with an eos)."""
+    fresh_seed()
+    # float64: the batch-of-3 and batch-of-1 decode steps' products round alike to far below any logit gap
+    m = small_lm(vocab=97, dtype=torch.float64)
+    prompts = [[5, 9, 13, 2, 40, 7, 7], [3], [60, 61, 62, 1]]
+    out = generate(m, prompts, 9)
+    assert isinstance(out, list) and [len(o) for o in out] == [16, 10, 13]
+    for p, o in zip(prompts, out):
+        alone = generate(m, torch.tensor([p]), 9)[0]
+        assert torch.equal(o, alone), (p, o, alone)
+    toks = list(stream_generate(m, prompts, 4))
+    assert len(toks) == 4 and all(t.shape == (3,) for t in toks)
+    assert torch.equal(torch.stack(toks, 1), torch.stack([o[len(p):len(p) + 4] for p, o in zip(prompts, out)]))
+    eos = int(out[1][3])  # the third new token of the second prompt: it finishes there, the others go on
+    with_eos = generate(m, prompts, 9, eos_token_id=eos, pad_token_id=0)
+    for p, o in zip(prompts, with_eos):
+        alone = generate(m, torch.tensor([p]), 9, eos_token_id=eos, pad_token_id=0)[0]
+        assert torch.equal(o[:len(alone)], alone) and (o[len(alone):] == 0).all()
+    assert all(torch.equal(o, torch.tensor(p)) for o, p in zip(generate(m, prompts, 0), prompts))
+
+
 def test_prompts_of_unequal_length_are_a_clear_error():
     m = small_lm()
+    from selscan_fused.generation import prompt_batch
     with pytest.raises(ValueError, match=r"unequal lengths \[3, 2\].*Padding is not supported"):
-        generate(m, [[1, 2, 3], [4, 5]], 5)
-    with pytest.raises(ValueError, match="unequal lengths"):
-        stream_generate(m, [[1, 2, 3], [4, 5]], 5)  # checked when called, before any token
+        prompt_batch([[1, 2, 3], [4, 5]], "cpu")
+    with pytest.raises(ValueError, match="prompts of at least one token"):
+        generate(m, [[1, 2, 3], []], 5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        stream_generate(m, [[1, 2, 3], [4, 500]], 5)  # checked when called, before any token
     assert torch.equal(generate(m, [[1, 2, 3], [4, 5, 6]], 2), generate(m, torch.tensor([[1, 2, 3], [4, 5, 6]]), 2))
     with pytest.raises(ValueError, match=r"use input_ids\[None\] for one prompt"):
         generate(m, torch.tensor([1, 2, 3]), 2)
@@ -578,3 +604,20 @@ def test_cuda_graph_step_replayed_many_times_equals_the_eager_step():
             assert rel_l2(replay, eager) < 1e-6, i
         for x, y in zip(c2.tensors(), c1.tensors()):
             assert rel_l2(x, y) < 1e-6
+
+
+@requires_cuda
+@requires_extension
+def test_cuda_prompts_of_unequal_length():
+    """On the GPU (the unfused prefill, the CUDA-graph step): every prompt kept, max_new_tokens new
+    tokens each, and the first of them that of the prompt alone (its prefill is the same batch-1 call)."""
+    fresh_seed()
+    _, gpu = _gpu_pair(torch.float32)
+    prompts = [[5, 9, 13, 2, 40, 7, 7], [3], list(range(1, 130))]
+    with matmul_precision("float32-highest"):
+        out = generate(gpu, prompts, 6)
+        for p, o in zip(prompts, out):
+            assert o.shape == (len(p) + 6,) and o[:len(p)].tolist() == p
+            alone = generate(gpu, torch.tensor([p], device="cuda"), 1)[0]
+            assert int(o[len(p)]) == int(alone[-1])
+
