@@ -10,7 +10,7 @@ import torch
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
 from ._extension import extension_available, fused_extension_available, require_extension
 from .reference import selective_scan_ref
-from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, sequence_bounds
+from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, run_per_sequence
 
 IMPLS = ("auto", "fused", "unfused", "reference")
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -413,11 +413,8 @@ def selective_scan(
             if cu_seqlens is None:
                 y, h = selective_scan_ref(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
             else:  # one sequence at a time: the definition of the packed result
-                parts = [selective_scan_ref(x[:, a:b], A_log, W_delta, b_delta, W_B, W_C, D,
-                                            None if h0 is None else h0[s:s + 1])
-                         for s, (a, b) in enumerate(sequence_bounds(cu_seqlens, x.shape[1]))]
-                y = torch.cat([p[0] for p in parts], 1)
-                h = torch.cat([p[1] for p in parts], 0)
+                y, h = run_per_sequence(lambda xs, hs: selective_scan_ref(xs, A_log, W_delta, b_delta, W_B, W_C, D,
+                                                                          hs), x, cu_seqlens, (h0,))
         return (y, h) if return_final_state else y
 
     if impl != "auto":  # 'auto' only picks a path that supports the inputs

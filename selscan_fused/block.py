@@ -28,7 +28,7 @@ from ._extension import extension_available, require_extension
 from .api import IMPLS, UNFUSED_DIM_MULTIPLE, ScanConfig, cuda_input_reason, unfused_dstate_reason
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d
-from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, sequence_bounds
+from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, run_per_sequence
 
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
 
@@ -217,12 +217,8 @@ def mamba_block(
             if not packed:
                 out, h, conv = mamba_block_ref(x, *weights, h0, conv_state)
             else:  # one sequence at a time: the definition of the packed result
-                parts = [mamba_block_ref(x[:, a:b], *weights, None if h0 is None else h0[s:s + 1],
-                                         None if conv_state is None else conv_state[s:s + 1])
-                         for s, (a, b) in enumerate(sequence_bounds(cu_seqlens, x.shape[1], x_name="hidden_states"))]
-                out = torch.cat([p[0] for p in parts], 1)
-                h = torch.cat([p[1] for p in parts], 0)
-                conv = torch.cat([p[2] for p in parts], 0)
+                out, h, conv = run_per_sequence(lambda xs, hs, cs: mamba_block_ref(xs, *weights, hs, cs), x,
+                                                cu_seqlens, (h0, conv_state), "hidden_states")
         return (out, h, conv) if return_final_state else out
     if chosen == "fused":
         raise ValueError(_FUSED_MESSAGE)

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .model import MambaCache
+
 __all__ = ["generate", "stream_generate", "CUDAGraphStep", "sample_next", "warp_logits", "prompt_batch"]
 
 
@@ -182,15 +184,11 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
 def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, fill, cuda_graph, generator, impl):
     if max_new_tokens == 0:
         return
-    if isinstance(ids, list):  # prompts of different lengths: each prefilled alone into its cache row
-        device, batch = ids[0].device, len(ids)
-        cache = model.allocate_cache(batch)
-        logits = _prefill_rows(model, ids, cache, impl)
-    else:
-        device = ids.device
-        batch = ids.shape[0]
-        cache = model.allocate_cache(batch)
-        logits = model.prefill(ids, cache, impl=impl)
+    ragged = isinstance(ids, list)  # prompts of different lengths: each prefilled alone into its cache row
+    device = ids[0].device if ragged else ids.device
+    batch = len(ids)
+    cache = model.allocate_cache(batch)
+    logits = _prefill_rows(model, ids, cache, impl) if ragged else model.prefill(ids, cache, impl=impl)
     if cuda_graph and device.type == "cuda":
         stepper = CUDAGraphStep(model, cache)
     else:
@@ -210,15 +208,9 @@ def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eo
 def _prefill_rows(model, prompts: list, cache, impl):
     """Each prompt (1-D) through the blocks' sequence path alone, its final states written into its row
     of the cache; returns the last position's logits of every prompt (batch, padded vocab)."""
-    out = []
-    for s, p in enumerate(prompts):
-        states = [(ssm[s:s + 1], conv[s:s + 1]) for ssm, conv in cache.states()]
-        logits, new = model(p[None], states=states, return_states=True, impl=impl, num_last_tokens=1)
-        for (ssm, conv), (ns, nc) in zip(states, new):
-            ssm.copy_(ns)
-            conv.copy_(nc)
-        out.append(logits[0, -1])
-    return torch.stack(out)
+    rows = [MambaCache([t[s:s + 1] for t in cache.ssm_states], [t[s:s + 1] for t in cache.conv_states])
+            for s in range(len(prompts))]  # views of the cache's rows: prefill writes through them
+    return torch.cat([model.prefill(p[None], row, impl=impl) for p, row in zip(prompts, rows)])
 
 
 def generate(model, input_ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,

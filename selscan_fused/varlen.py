@@ -69,6 +69,15 @@ def sequence_bounds(cu_seqlens: torch.Tensor, total_tokens: int, name: str = "cu
     return list(zip(vals[:-1], vals[1:]))
 
 
+def run_per_sequence(fn, x: torch.Tensor, cu_seqlens: torch.Tensor, states: tuple, x_name: str = "x"):
+    """The packed result by its definition (the reference's way): fn(x_s, *states_s) on each sequence
+    alone (x_s its tokens, states_s each per-sequence state's row or None); fn returns a tuple whose
+    first entry is per token and the rest per sequence, concatenated along dims 1 and 0."""
+    parts = [fn(x[:, a:b], *(None if t is None else t[s:s + 1] for t in states))
+             for s, (a, b) in enumerate(sequence_bounds(cu_seqlens, x.shape[1], x_name=x_name))]
+    return tuple(torch.cat([p[i] for p in parts], 1 if i == 0 else 0) for i in range(len(parts[0])))
+
+
 def packed_batch_error(name: str, t: torch.Tensor, what: str) -> ValueError:
     return ValueError(f"selscan_fused: with cu_seqlens, {name} holds the packed tokens of all sequences as "
                       f"(1, total_tokens, {what}); got shape {tuple(t.shape)} (batch {t.shape[0]})")
