@@ -96,11 +96,14 @@ def extension_modules():
     nvcc_fused += extra_fused
 
     write_build_info(torch, str(cuda_home), include_dirs[1], " ".join(extra_fused))
-    # _C: the op bindings, the unfused path's scan kernels and the block's causal conv (no CUTLASS).
+    # _C: the op bindings, the unfused path's scan kernels, the block's causal conv and decode step (no
+    # CUTLASS).
     ext_c = CUDAExtension(
         name="selscan_fused._C",
-        sources=["csrc/python_module.cpp", "csrc/torch_ops.cpp", "csrc/conv/conv_ops.cpp"]
-        + sorted(str(p.relative_to(ROOT)) for d in ("scan", "conv") for p in (ROOT / "csrc" / d).glob("*.cu")),
+        sources=["csrc/python_module.cpp", "csrc/torch_ops.cpp", "csrc/conv/conv_ops.cpp",
+                 "csrc/decode/decode_ops.cpp", "csrc/scan/gate_ops.cpp"]
+        + sorted(str(p.relative_to(ROOT)) for d in ("scan", "conv", "decode")
+                 for p in (ROOT / "csrc" / d).glob("*.cu")),
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_scan},
     )

@@ -150,7 +150,7 @@ def _gated_scan_setup(ctx, inputs, output):
 
 
 def _gated_scan_backward(ctx, dy, dhT, *unused):
-    """The gate's derivative elementwise, then the backward scan kernel (scan_bwd):
+    """The gate's derivative (one kernel, gate_bwd), then the backward scan kernel (scan_bwd):
     y = yu * silu(z): dyu = dy * silu(z), dz = dy * yu * silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: gated_scan_fwd was called with training=False and keeps nothing for "
@@ -162,6 +162,8 @@ def _gated_scan_backward(ctx, dy, dhT, *unused):
     if dy is None:
         dyu = torch.zeros_like(u)
         dz = torch.zeros_like(z)
+    elif dy.dtype == yu.dtype == z.dtype and dy.dim() == 3 and dy.stride(-1) == 1:
+        dyu, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)  # the same math, one kernel (csrc/scan/gate_bwd.cu)
     else:
         zf = z.float()
         s = torch.sigmoid(zf)
@@ -183,6 +185,10 @@ if extension_available():
                                                                   A_log.shape[1]), dtype=torch.float32)
         yu = u.new_empty((batch if training else 0, L, Dm))
         return y, h, ckpt, yu
+
+    @torch.library.register_fake("selscan_fused::gate_bwd")
+    def _gate_bwd_fake(dy, z, yu):
+        return dy.new_empty(dy.shape), dy.new_empty(dy.shape)
 
     @torch.library.register_fake("selscan_fused::scan_bwd")
     def _scan_bwd_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, l_segments):

@@ -233,7 +233,7 @@ def mamba_block(
     f32 = torch.float32
     with torch.autocast("cuda", enabled=False):
         xz = F.linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))          # (batch, L, 2 d_inner)
-        xi, z = xz[..., :d_inner], xz[..., d_inner:]
+        xi, z = xz.split(d_inner, dim=-1)  # one concatenation in the backward (slices would add two full zeros)
         u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                   _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = F.linear(u, _as(x_proj_weight, xdt))                                  # (batch, L, R + 2N)

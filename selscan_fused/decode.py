@@ -2,7 +2,7 @@
 
     out = mamba_block_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_bias, conv_weight,
                            conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, out_proj_weight,
-                           out_proj_bias, out=None)
+                           out_proj_bias, out=None, impl="auto")
 
 Shapes (d_inner channels, N = d_state, R = dt_rank, W = d_conv; the weights as in mamba_block, whose
 argument order they keep):
@@ -30,16 +30,68 @@ to it, as cuBLAS writes them), the conv, softplus, the state update, the gate an
 states are only written in place: the step can be captured in a CUDA graph (selscan_fused.generation's
 CUDAGraphStep captures a whole model's step).
 
-This is the torch version of the step; a fused CUDA kernel is planned for the middle (conv to gate). It
-will keep this function's interface, and this version stays as its reference
-(selscan_fused.block_reference.mamba_step_ref gives the same math out of place).
+Paths (`impl=`):
+
+    "torch"   the step in PyTorch operations (about a dozen launches between in_proj and out_proj); any
+              device, float64 too
+    "kernel"  in_proj and out_proj by the library product, the middle (the conv update, x_proj, dt_proj,
+              the state update, D and the gate) by this project's decode kernels (csrc/decode/: two
+              launches, deterministic); CUDA, float32 / bfloat16 / float16, d_state <= 64, dt_rank <= 256,
+              d_conv 2-4. It rounds where the torch path rounds (u, x_proj's and dt_proj's outputs to the
+              dtype), so the two agree to float32 summation order.
+    "auto"    "torch" in this version: the kernel becomes the default once its measurement against the
+              torch path and mamba-ssm's step (benchmarks/decode_bench.py) is in docs/perf/decode.md.
+
+selscan_fused.block_reference.mamba_step_ref gives the same math out of place (the reference of both).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mamba_block_step"]
+from ._extension import extension_available
+
+__all__ = ["mamba_block_step", "decode_kernel_reason", "resolve_step_impl", "STEP_IMPLS"]
+
+STEP_IMPLS = ("auto", "kernel", "torch")
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_MAX_STATE, _KERNEL_MAX_RANK, _KERNEL_MAX_BATCH = 64, 256, 65535  # csrc/decode/decode_params.h
+
+
+def _kernel_op_available() -> bool:
+    return extension_available() and hasattr(torch.ops.selscan_fused, "decode_mid")
+
+
+def norm_op_available() -> bool:
+    """Whether the decode step's residual add + RMSNorm kernel (torch.ops.selscan_fused.add_rmsnorm) is loaded."""
+    return extension_available() and hasattr(torch.ops.selscan_fused, "add_rmsnorm")
+
+
+def decode_kernel_reason(hidden_states: torch.Tensor, d_state: int, dt_rank: int, d_conv: int) -> str | None:
+    """Why impl='kernel' cannot run this step, or None when it can."""
+    if not hidden_states.is_cuda:
+        return f"hidden_states is on {hidden_states.device}; the decode kernel needs CUDA tensors"
+    if hidden_states.dtype not in _KERNEL_DTYPES:
+        return f"hidden_states has dtype {hidden_states.dtype}; the decode kernel takes float32, bfloat16, float16"
+    if not _kernel_op_available():
+        return "the extension selscan_fused._C with the decode kernel (csrc/decode/) is not loaded"
+    if not 1 <= d_state <= _KERNEL_MAX_STATE:
+        return f"d_state = {d_state}; the decode kernel takes 1 .. {_KERNEL_MAX_STATE}"
+    if not 1 <= dt_rank <= _KERNEL_MAX_RANK:
+        return f"dt_rank = {dt_rank}; the decode kernel takes 1 .. {_KERNEL_MAX_RANK}"
+    if not 2 <= d_conv <= 4:
+        return f"d_conv = {d_conv}; the decode kernel takes 2, 3, 4"
+    if hidden_states.shape[0] > _KERNEL_MAX_BATCH:
+        return f"batch = {hidden_states.shape[0]}; the decode kernel takes up to {_KERNEL_MAX_BATCH}"
+    return None
+
+
+def resolve_step_impl(impl: str) -> str:
+    """The path mamba_block_step takes for `impl` ('auto' is 'torch' in this version: module docstring)."""
+    if impl not in STEP_IMPLS:
+        raise ValueError(f"selscan_fused: impl must be one of {STEP_IMPLS} for the decode step, got {impl!r}")
+    return "torch" if impl == "auto" else impl
 
 
 def _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight, dt_proj_weight, A_log,
@@ -96,14 +148,37 @@ def mamba_block_step(
     out_proj_bias: torch.Tensor | None,
     *,
     out: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """One decode step of the block (module docstring): returns out (batch, d_model) in hidden_states'
     dtype (the `out` buffer when given) and updates conv_state and ssm_state in place."""
+    chosen = resolve_step_impl(impl)
     d_inner, N, R, W, cd = _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight,
                                   dt_proj_weight, A_log, out)
     x = hidden_states
     xdt = x.dtype
     xz = F.linear(x, _cast(in_proj_weight, xdt), _cast(in_proj_bias, xdt))         # (batch, 2 d_inner)
+    if chosen == "kernel":
+        reason = decode_kernel_reason(x, N, R, W)
+        if reason is not None:
+            raise ValueError(f"selscan_fused: impl='kernel' cannot run this decode step: {reason}; use impl='torch'")
+        for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+            if not t.is_contiguous():
+                raise ValueError(f"selscan_fused: impl='kernel' updates {name} in place and needs it contiguous; "
+                                 "use impl='torch' or a contiguous state (MambaLM.allocate_cache makes them so)")
+        # The small parameters as they are when they share float32 or x's dtype (a model cast as a whole):
+        # no cast in the step; else all in float32.
+        small = [conv_weight.reshape(d_inner, W), conv_bias, dt_proj_bias, A_log, D]
+        sdt = A_log.dtype if A_log.dtype in (torch.float32, xdt) else torch.float32
+        small = [None if t is None else _cast(t, sdt).contiguous() for t in small]
+        y = torch.ops.selscan_fused.decode_mid(xz.contiguous(), conv_state, ssm_state, small[0], small[1],
+                                               _cast(x_proj_weight, xdt).contiguous(),
+                                               _cast(dt_proj_weight, xdt).contiguous(), *small[2:])
+        res = F.linear(y, _cast(out_proj_weight, xdt), _cast(out_proj_bias, xdt))
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
     xi, z = xz[:, :d_inner], xz[:, d_inner:]
     # The conv over the window [conv_state | xi]; the state keeps the newest W-1 inputs (a new tensor is
     # built first, so the in-place write does not read what it overwrites).
@@ -127,3 +202,18 @@ def mamba_block_step(
         return res
     out.copy_(res)
     return out
+
+
+if _kernel_op_available():
+
+    @torch.library.register_fake("selscan_fused::decode_mid")
+    def _decode_mid_fake(xz, conv_state, ssm_state, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias,
+                         A_log, D):
+        return xz.new_empty((xz.shape[0], A_log.shape[0]))
+
+    @torch.library.register_fake("selscan_fused::add_rmsnorm")
+    def _add_rmsnorm_fake(hidden, residual, weight, eps, residual_fp32):
+        out_f32 = (residual is not None and residual.dtype == torch.float32) or (
+            residual_fp32 and hidden.dtype != torch.float32)
+        return hidden.new_empty(hidden.shape), hidden.new_empty(
+            hidden.shape, dtype=torch.float32 if out_f32 else hidden.dtype)

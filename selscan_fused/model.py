@@ -36,7 +36,7 @@ from torch import nn
 
 from .api import IMPLS
 from .block import Mamba, mamba_block
-from .decode import mamba_block_step
+from .decode import mamba_block_step, norm_op_available, resolve_step_impl
 
 __all__ = ["MambaLMConfig", "MambaLM", "MambaCache", "RMSNorm"]
 
@@ -134,6 +134,31 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _fused_add_norm_applies(norm, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    return (isinstance(norm, RMSNorm) and hidden.is_cuda and norm_op_available()
+            and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16) and norm.weight.dtype == hidden.dtype
+            and (residual is None or (residual.dtype in (torch.float32, hidden.dtype)
+                                      and residual.shape == hidden.shape and residual.is_contiguous())))
+
+
+def add_norm(norm, hidden: torch.Tensor, residual: torch.Tensor | None, residual_in_fp32: bool, fused: bool = False):
+    """mamba-ssm's Block's add + norm: residual = hidden (+ residual); (norm(residual in the norm's dtype),
+    residual, in float32 when residual_in_fp32 and it is bfloat16 / float16). fused=True: one kernel
+    (torch.ops.selscan_fused.add_rmsnorm) for an RMSNorm on CUDA whose weight has hidden's dtype, the same
+    math in the same float32 (its sum of squares in another order); elsewhere the PyTorch operations."""
+    if fused and _fused_add_norm_applies(norm, hidden, residual):
+        d = hidden.shape[-1]
+        normed, res = torch.ops.selscan_fused.add_rmsnorm(
+            hidden.reshape(-1, d), None if residual is None else residual.reshape(-1, d), norm.weight, norm.eps,
+            residual_in_fp32)
+        return normed.view(hidden.shape), res.view(hidden.shape)
+    residual = hidden if residual is None else hidden + residual
+    normed = norm(residual.to(norm.weight.dtype))
+    if residual_in_fp32 and residual.dtype in (torch.bfloat16, torch.float16):
+        residual = residual.to(torch.float32)
+    return normed, residual
+
+
 class Block(nn.Module):
     """mamba-ssm's Block without the fused add+norm: (hidden, residual) -> (mixer(norm(residual)), residual)."""
 
@@ -147,12 +172,10 @@ class Block(nn.Module):
             self.norm = nn.LayerNorm(config.d_model, eps=config.norm_epsilon, **factory)
         self.mixer = Mamba(config.d_model, impl=impl, layer_idx=layer_idx, **config.block_kwargs(), **factory)
 
-    def add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None):
-        residual = hidden if residual is None else hidden + residual
-        normed = self.norm(residual.to(self.norm.weight.dtype))
-        if self.residual_in_fp32 and residual.dtype in (torch.bfloat16, torch.float16):
-            residual = residual.to(torch.float32)
-        return normed, residual
+    def add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, fused: bool = False):
+        """(norm(hidden + residual), hidden + residual) with the residual kept in float32 when the config
+        says so; fused=True runs it as one kernel (the decode step's, csrc/decode/) where that applies."""
+        return add_norm(self.norm, hidden, residual, self.residual_in_fp32, fused)
 
     def forward(self, hidden, residual=None, h0=None, conv_state=None, return_final_state=False, impl=None):
         normed, residual = self.add_norm(hidden, residual)
@@ -239,7 +262,8 @@ class MambaLM(nn.Module):
     MambaLM(config, impl="auto", device=None, dtype=None): a fresh model with mamba-ssm's initialisation.
     impl: the blocks' path ('auto' | 'unfused' | 'reference'; see selscan_fused.mamba_block), for forward
     and prefill; forward(..., impl=...) overrides it for one call. The decode step (step) is
-    selscan_fused.decode.mamba_block_step on every layer.
+    selscan_fused.decode.mamba_block_step on every layer, on the path decode_impl names ('auto' |
+    'kernel' | 'torch'; an attribute, step(..., decode_impl=...) overrides it for one call).
     """
 
     def __init__(self, config: MambaLMConfig, impl: str = "auto", device=None, dtype=None):
@@ -255,6 +279,7 @@ class MambaLM(nn.Module):
         self.tie_weights()
         self.register_load_state_dict_pre_hook(MambaLM._load_hook)
         self.checkpoint_info: dict | None = None
+        self.decode_impl = "auto"
 
     # ---- structure ----
 
@@ -365,17 +390,21 @@ class MambaLM(nn.Module):
         return logits[:, -1]
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, cache: MambaCache) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, cache: MambaCache, decode_impl: str | None = None) -> torch.Tensor:
         """One token per sequence: input_ids (batch,) -> logits (batch, padded vocab); every layer's states
-        in the cache advance by one token in place (selscan_fused.decode.mamba_block_step). No host
-        synchronisation: capturable in a CUDA graph (selscan_fused.generation.CUDAGraphStep)."""
+        in the cache advance by one token in place (selscan_fused.decode.mamba_block_step, on the path
+        decode_impl names, default self.decode_impl). No host synchronisation: capturable in a CUDA graph
+        (selscan_fused.generation.CUDAGraphStep)."""
+        impl = resolve_step_impl(self.decode_impl if decode_impl is None else decode_impl)
+        fused = impl == "kernel"  # the kernel path also fuses each residual add + RMSNorm
         hidden = self.backbone.embedding(input_ids)
         residual = None
         for i, layer in enumerate(self.backbone.layers):
-            normed, residual = layer.add_norm(hidden, residual)
-            hidden = mamba_block_step(normed, cache.conv_states[i], cache.ssm_states[i], *layer.mixer.weights())
-        residual = hidden if residual is None else hidden + residual
-        return self.lm_head(self.backbone.norm_f(residual.to(self.backbone.norm_f.weight.dtype)))
+            normed, residual = layer.add_norm(hidden, residual, fused=fused)
+            hidden = mamba_block_step(normed, cache.conv_states[i], cache.ssm_states[i], *layer.mixer.weights(),
+                                      impl=impl)
+        normed, _ = add_norm(self.backbone.norm_f, hidden, residual, False, fused=fused)
+        return self.lm_head(normed)
 
     # ---- checkpoints ----
 

@@ -409,3 +409,31 @@ def test_unfused_block_memory_has_no_state_sized_tensor():
     act = 4 * 4096 * 1024 * 2  # one (batch, L, 2 d_inner) bf16 tensor
     print(f"peak extra {peak / 2**20:.1f} MiB, one in_proj output {act / 2**20:.1f} MiB")
     assert peak < 4 * act < state_sized
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,L,d", [(1, 1, 8), (2, 7, 7), (3, 1000, 96), (1, 65, 1536)])
+def test_gate_bwd_kernel_against_float64(dtype, batch, L, d):
+    """The gate's derivative kernel (torch.ops.selscan_fused.gate_bwd) with z the right half of in_proj's
+    output (strided, as the block passes it): every element against the float64 formula, within one
+    rounding of the dtype (float32 arithmetic inside); the scalar path (d = 7) and the 16-byte one."""
+    fresh_seed()
+    dy = torch.randn(batch, L, d, device="cuda").to(dtype)
+    xz = (torch.randn(batch, L, 2 * d, device="cuda") * 3).to(dtype)
+    z = xz.split(d, -1)[1]
+    yu = torch.randn(batch, L, d, device="cuda").to(dtype)
+    torch.full((8 * batch * L * d,), float("nan"), device="cuda")  # cached blocks poisoned
+    dyu, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)
+    s = torch.sigmoid(z.double())
+    want_dyu = dy.double() * z.double() * s
+    want_dz = dy.double() * yu.double() * s * (1 + z.double() * (1 - s))
+    eps = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    for got, want in ((dyu, want_dyu), (dz, want_dz)):
+        assert got.dtype == dtype and got.shape == (batch, L, d) and got.is_contiguous()
+        assert torch.isfinite(got).all()
+        err = (got.double() - want).abs()
+        assert (err <= 2 * eps * want.abs() + 1e-6 * want.abs().max()).all(), err.max().item()
+    with pytest.raises(RuntimeError, match="yu"):
+        torch.ops.selscan_fused.gate_bwd(dy, z, yu[:, :, :-1])
