@@ -133,3 +133,40 @@ def test_plan_model_reads_the_committed_sweep(capsys):
     assert plan_model.plan_library(1, 2048, 1024, 16) == (64, 8, 256)
     # at 512 tokens one phase of the narrow layout: a split's second phase costs more than it saves
     assert plan_model.plan_library(1, 512, 1024, 16) == (16, 1, 512)
+
+
+def test_decode_bench_smoke_on_the_cpu(tmp_path):
+    """The decode benchmark's rows on the CPU (tiny model): the torch path measured, the kernel and
+    mamba-ssm's step each saying why they did not run, the floor from the model's bytes."""
+    import csv
+    import decode_bench
+    out = tmp_path / "decode.csv"
+    rows = decode_bench.main(["--device", "cpu", "--sizes", "tiny", "--batches", "1,3", "--reps", "2", "--dtype",
+                              "fp32", "--csv", str(out)])
+    assert [(r["batch"], r["path"]) for r in rows] == [(b, p) for b in (1, 3) for p in ("torch", "kernel", "mamba-ssm")]
+    by = {(r["batch"], r["path"]): r for r in rows}
+    assert by[(1, "torch")]["status"].startswith("ok") and float(by[(1, "torch")]["ms_per_token"]) > 0
+    assert by[(1, "kernel")]["status"].startswith("unavailable") and "CUDA" in by[(1, "kernel")]["status"]
+    assert by[(1, "mamba-ssm")]["status"].startswith("unavailable")
+    # the floor: every parameter's bytes once, plus the states read and written
+    model = decode_bench.build("tiny", torch.float32, torch.device("cpu"))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert float(by[(1, "torch")]["floor_ms"]) > weights / decode_bench.BANDWIDTH * 1e3
+    assert float(by[(3, "torch")]["floor_ms"]) > float(by[(1, "torch")]["floor_ms"])
+    assert len(list(csv.DictReader(open(out)))) == 6
+
+
+def test_inference_throughput_smoke_on_the_cpu(tmp_path):
+    """Figure 8 (right)'s script on the CPU with tiny models: every model generates all its tokens (the
+    status would say otherwise), throughput = batch x gen / time; mamba-ssm says why it did not run."""
+    import inference_throughput
+    rows = inference_throughput.main(["--device", "cpu", "--tiny", "--batches", "1,2", "--prompt", "12", "--gen",
+                                      "3", "--reps", "1", "--csv", str(tmp_path / "t.csv")])
+    by = {(r["model"], r["batch"]): r for r in rows}
+    for name in ("ours", "transformer"):
+        for b in (1, 2):
+            r = by[(name, b)]
+            assert r["status"] == "ok", r
+            assert abs(float(r["tokens_per_s"]) - b * 3 / float(r["total_ms"]) * 1e3) < 0.1 + 0.01 * float(r["tokens_per_s"])
+    assert by[("mamba-ssm", 1)]["status"].startswith("unavailable")
+    assert by[("ours-kernel", 1)]["status"].startswith("unavailable")
