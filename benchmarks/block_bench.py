@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import selscan_fused  # noqa: E402
 from bench import median_ms  # noqa: E402
+from selscan_fused.block import block_unsupported_reason  # noqa: E402
 
 SIZES = {"130M": 768, "370M": 1024, "790M": 1536, "1.4B": 2048, "2.8B": 2560}
 
@@ -110,7 +111,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="130M,370M,1.4B,2.8B")
     ap.add_argument("--shapes", default="8x2048,1x16384")
-    ap.add_argument("--impls", default="unfused,mamba-ssm")
+    ap.add_argument("--impls", default="unfused,fused,mamba-ssm")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--profile", action="store_true")
@@ -135,6 +136,10 @@ def main():
                         continue
                     fwd = mamba_ssm_forward(inner, block)
                 else:
+                    reason = block_unsupported_reason(impl, x, block.d_inner, block.d_state, block.d_conv)
+                    if reason is not None:
+                        print(f"{size} {shape} {impl}: left out ({reason})")
+                        continue
                     block.impl = impl
                     fwd = block
                 results[impl] = measure(fwd, x, g, args.reps)

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The workload scripts/sanitize.sh runs under compute-sanitizer: both CUDA paths, forward and backward,
 over a grid that has L = 1, odd L, batch 1, the L split (automatic and forced), the fused kernel's
-narrow (16) and wide (64) channel tiles, every N and every dtype / float32 precision. Small sizes: the
+narrow (16) and wide (64) channel tiles, every N and every dtype / float32 precision; then the Mamba
+block on both paths (BLOCK_GRID: its conv, gate and scan kernels, forward and backward) with three
+decode steps each (the decode kernels, the fused add + RMSNorm). Small sizes: the
 tools slow every launch down by orders of magnitude. Checks each result against the float64 evaluation
 too (a tool can change timing, never results).
 
@@ -54,6 +56,75 @@ GRID = [
     (2, 600, 128, 16, {"l_segments": 3, "fused_backward": "kernel"}),  # ... forced split
     (3, 130, 64, 16, {"fused_backward": "kernel"}),                    # ... no split
 ]
+
+# The Mamba-1 block (both CUDA paths, forward + backward) and its decode step (the decode kernels and the
+# fused add + RMSNorm), checked against the float64 reference: (batch, L, d_model, N, d_conv). d_model 32
+# and 96 give d_inner 64 and 192 (the fused block's channel tile); 40 (d_inner 80) is the unfused path's
+# alone.
+BLOCK_GRID = [
+    (1, 1, 32, 16, 4),
+    (3, 7, 96, 8, 2),
+    (2, 130, 32, 64, 3),
+    (1, 1000, 40, 16, 4),
+    (1, 2049, 32, 16, 4),   # one sequence: the L split
+]
+
+
+def _block_runs(args, impls):
+    k, m = (int(v) for v in args.shard.split("/"))
+    index = -1
+    for gi, (batch, L, Dm, N, W) in enumerate(BLOCK_GRID):
+        for mi, (mode, (dt, prec)) in enumerate(MODES.items()):
+            if args.quick and (gi + mi) % 3:
+                continue
+            if args.rest and not (gi + mi) % 3:
+                continue
+            for impl in impls:
+                if impl == "fused" and (2 * Dm) % 64:
+                    continue
+                index += 1
+                if index % m == k:
+                    yield impl, mode, dt, prec, batch, L, Dm, N, W, 1000 * gi + 10 * mi + 7
+
+
+def _block_case(impl, dt, batch, L, Dm, N, W, seed):
+    """The block forward + backward on `impl`, then three decode steps on the decode kernels; (rel err of
+    out against float64, ok)."""
+    from selscan_fused.block_reference import mamba_block_ref, mamba_step_ref
+    from selscan_fused.decode import mamba_block_step
+    torch.manual_seed(seed)
+    block = selscan_fused.Mamba(Dm, d_state=N, d_conv=W, impl=impl, device="cuda")
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    w = [t.detach() for t in block.weights()]
+    low = {0, 1, 4, 5, 9, 10}  # the products' weights and biases: in the dtype, as the CUDA paths use them
+    w = [None if t is None else (t.to(dt) if i in low else t) for i, t in enumerate(w)]
+    x = torch.randn(batch, L, Dm, device="cuda").to(dt)
+    h0 = torch.randn(batch, block.d_inner, N, device="cuda") * 0.5
+    c0 = torch.randn(batch, block.d_inner, W - 1, device="cuda").to(dt)
+    leaves = [x.clone().requires_grad_(True)] + [None if t is None else t.clone().requires_grad_(True) for t in w]
+    out, hT, cT = selscan_fused.mamba_block(*leaves, h0=h0, conv_state=c0, return_final_state=True, impl=impl)
+    scale = 2.0 ** -6 if dt == torch.float16 else 1.0
+    (out.float().sum() * scale + hT.sum() * scale).backward()
+    ok = all(bool(torch.isfinite(t.grad).all()) for t in leaves if t is not None)
+    w64 = [None if t is None else t.double() for t in w]
+    out64, _, _ = mamba_block_ref(x.double(), *w64, h0.double(), c0.double())
+    err = rel_l2(out.detach(), out64)
+    # decode: three steps from the final states, the kernel path (with the fused norm's op beside it)
+    cs, ss = cT.detach().clone(), hT.detach().clone()
+    cs64, ss64 = cs.double(), ss.double()
+    for _ in range(3):
+        xt = torch.randn(batch, Dm, device="cuda").to(dt)
+        o = mamba_block_step(xt, cs, ss, *w, impl="kernel")
+        o64, cs64, ss64 = mamba_step_ref(xt.double(), cs64, ss64, *w64)
+        err = max(err, rel_l2(o, o64))
+    from selscan_fused.model import RMSNorm, add_norm
+    norm = RMSNorm(Dm, device="cuda", dtype=dt)
+    n1, _ = add_norm(norm, x[:, 0], None, True, fused=True)
+    n2, _ = add_norm(norm, x[:, 0], None, True, fused=False)
+    ok = ok and bool(torch.isfinite(n1).all()) and rel_l2(n1, n2) < 1e-2
+    return err, ok
 
 
 def _runs(args, impls):
@@ -149,6 +220,19 @@ def main():
             sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
         runs += 1
         worst = max(worst, err / TOLERANCE[mode])
+    if not args.initcheck and not args.with_key:  # the block (initcheck: its products are cuBLAS's)
+        BLOCK_TOLERANCE = dict(TOLERANCE, **{"float32-high": 3e-3})  # tests/test_block.py's bounds
+        for impl, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, [i for i in impls if i != "ops"]):
+            torch.set_float32_matmul_precision(prec)
+            err, ok = _block_case(impl, dt, batch, L, Dm, N, W, seed)
+            torch.cuda.synchronize()
+            ok = ok and err < BLOCK_TOLERANCE[mode]
+            print(f"block {impl:8s} {mode:16s} {batch}x{L}x{Dm}x{N} d_conv {W}: rel err {err:.2e} "
+                  f"{'ok' if ok else 'WRONG'}", flush=True)
+            if not ok:
+                sys.exit(f"wrong result: block {impl} {mode} {batch}x{L}x{Dm}x{N} d_conv {W}")
+            runs += 1
+            worst = max(worst, err / BLOCK_TOLERANCE[mode])
     torch.set_float32_matmul_precision("highest")
     print(f"{runs} forward+backward runs, all within bounds (worst {worst:.2f} of the bound)")
 

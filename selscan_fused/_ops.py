@@ -201,7 +201,56 @@ if extension_available():
                                     setup_context=_gated_scan_setup)
 
 
+def _fused_block_setup(ctx, inputs, output):
+    """fused_block_fwd: keep what the backward needs (x_proj's output, not delta: it is recomputed)."""
+    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs
+    _, _, ckpt, y_ungated = output
+    ctx.training, ctx.l_segments = training, l_segments
+    ctx.save_for_backward(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, ckpt, y_ungated)
+    ctx.set_materialize_grads(False)
+
+
+def _fused_block_backward(ctx, dy, dhT, *unused):
+    """The fused block's backward: dt_proj's product recomputed by the library (delta_pre, rounded to the
+    dtype as the unfused path holds it), then the unfused path's gate and backward scan kernels, and the
+    product's gradients: d dt_low = d delta_pre W, d W = d delta_pre^T dt_low."""
+    if not ctx.training:
+        raise RuntimeError("selscan_fused: fused_block_fwd was called with training=False and keeps nothing for "
+                           "a backward; call it with training=True (selscan_fused.mamba_block does)")
+    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, ckpt, yu = ctx.saved_tensors
+    Dm, R = u.shape[-1], dt_w.shape[1]
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    dt_low, bc = xdbl[..., :R], xdbl[..., R:]
+    with torch.autocast("cuda", enabled=False):
+        delta = torch.nn.functional.linear(dt_low, dt_w)
+        if dy is None:
+            dyu, dz = torch.zeros_like(u), torch.zeros_like(z)
+        else:
+            dy = dy.to(u.dtype)
+            dyu, dz = torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(), z, yu)
+        dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dyu, dhT,
+                                                                        ckpt, ctx.l_segments)
+        d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
+        d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
+        d_dt_w = torch.matmul(d_delta.reshape(-1, Dm).t(), dt_low.reshape(-1, R))     # (d_inner, R)
+        dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
+    return (du, dxdbl, dz, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
+
+
 if fused_extension_available():
+
+    @torch.library.register_fake("selscan_fused::fused_block_fwd")
+    def _fused_block_fwd_fake(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, return_final_state, training, l_segments):
+        y, h = _fake_outputs(u, A_log, return_final_state)
+        batch, L, Dm = u.shape
+        ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
+                                                                  A_log.shape[1]), dtype=torch.float32)
+        yu = u.new_empty((batch if training else 0, L, Dm))
+        return y, h, ckpt, yu
+
+    torch.library.register_autograd("selscan_fused::fused_block_fwd", _fused_block_backward,
+                                    setup_context=_fused_block_setup)
 
     @torch.library.register_fake("selscan_fused::fused_fwd")
     def _fused_fwd_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, return_final_state, l_segments,

@@ -9,10 +9,15 @@ Mamba-1 block"). Paths (`impl=`):
                  kernel with the block's gate (csrc/scan/: delta_pre from dt_proj's product, [B | C] read
                  in place from x_proj's output, y = (scan + D u) * silu(z) written by the kernel);
                  backward: the layer's backward scan kernel, the conv's backward kernel, the products
-    "fused"      not built yet: the block's fused kernel (dt_proj on the tensor cores inside the scan's
-                 launch) is planned on the layer's fused kernel (docs/design.md); asking for it is an error
-                 that names impl='unfused'
-    "auto"       the unfused path where it supports the inputs (CUDA), the reference otherwise
+    "fused"      (sm_90: H100/H200) the layer's fused kernel with the block's two policies: delta from the
+                 low rank (dt_proj on the tensor cores inside the scan's launch, reading x_proj's output
+                 [dt_low | B | C]; no delta tensor in device memory) and the gated output (y * silu(z)
+                 stored by the kernel); in_proj, x_proj, out_proj by cuBLAS, the conv by this project's
+                 kernel (its output u is still written: the first step of the design in
+                 docs/perf/block.md); backward: dt_proj's product recomputed, then the unfused path's
+                 gate and backward scan kernels
+    "auto"       the unfused path where it supports the inputs (CUDA), the reference otherwise ('fused'
+                 is chosen by measurement, once measured: docs/perf/block.md)
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from torch import nn
 
 from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
 from ._extension import extension_available, require_extension
-from .api import IMPLS, UNFUSED_DIM_MULTIPLE, ScanConfig, cuda_input_reason, unfused_dstate_reason
+from ._extension import fused_extension_available
+from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS,
+                  UNFUSED_DIM_MULTIPLE, ScanConfig, _sm90, cuda_input_reason, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d
 from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, run_per_sequence
@@ -33,9 +40,6 @@ from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, p
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
 
 BLOCK_D_CONVS = (2, 3, 4)  # conv widths the CUDA conv kernel is compiled for
-
-_FUSED_MESSAGE = ("selscan_fused: impl='fused' is not available for the Mamba block yet (the block's fused "
-                  "kernel is planned, docs/design.md); use impl='unfused' (CUDA) or impl='reference'")
 
 
 def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,
@@ -102,7 +106,26 @@ def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv
 def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d_conv: int) -> str | None:
     """Why `impl` ('unfused' or 'fused') cannot run the block on these inputs, or None when it can."""
     if impl == "fused":
-        return _FUSED_MESSAGE.removeprefix("selscan_fused: ")
+        reason = cuda_input_reason(impl, x, "hidden_states")
+        if reason is not None:
+            return reason
+        if not _sm90(x.device):
+            return f"impl='fused' needs an sm_90 GPU (H100/H200), {x.device} is not one; use impl='unfused'"
+        if not fused_extension_available():
+            return "impl='fused' needs the extension selscan_fused._fused (sm_90a build); use impl='unfused'"
+        if d_state not in FUSED_DSTATES:
+            return (f"d_state N = {d_state} is not supported by impl='fused' (supported: "
+                    f"{', '.join(map(str, FUSED_DSTATES))}); use impl='unfused'")
+        if d_inner % FUSED_DIM_MULTIPLE != 0 or not FUSED_DIM_MULTIPLE <= d_inner <= FUSED_MAX_DIM:
+            return (f"d_inner = {d_inner} is not supported by impl='fused' (a multiple of {FUSED_DIM_MULTIPLE} "
+                    f"from {FUSED_DIM_MULTIPLE} to {FUSED_MAX_DIM}); use impl='unfused'")
+        if d_conv not in BLOCK_D_CONVS:
+            return (f"d_conv = {d_conv} is not supported by impl='fused' (supported: "
+                    f"{', '.join(map(str, BLOCK_D_CONVS))}); use impl='reference'")
+        if x.shape[0] >= FUSED_MAX_COUNT or x.shape[1] >= FUSED_MAX_COUNT:
+            return (f"impl='fused' takes batch and L below 2^31 (got batch = {x.shape[0]}, L = {x.shape[1]}); "
+                    "use impl='unfused'")
+        return None
     reason = cuda_input_reason(impl, x, "hidden_states") or unfused_dstate_reason(impl, d_state)
     if reason is not None:
         return reason
@@ -220,8 +243,6 @@ def mamba_block(
                 out, h, conv = run_per_sequence(lambda xs, hs, cs: mamba_block_ref(xs, *weights, hs, cs), x,
                                                 cu_seqlens, (h0, conv_state), "hidden_states")
         return (out, h, conv) if return_final_state else out
-    if chosen == "fused":
-        raise ValueError(_FUSED_MESSAGE)
     reason = block_unsupported_reason(chosen, x, d_inner, N, W)
     if reason is not None:
         raise ValueError(f"selscan_fused: {reason}")
@@ -237,13 +258,19 @@ def mamba_block(
         u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                   _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = F.linear(u, _as(x_proj_weight, xdt))                                  # (batch, L, R + 2N)
-        delta = F.linear(xdbl[..., :R], _as(dt_proj_weight, xdt))                    # delta_pre, no bias
+        # delta_pre, no bias (the fused kernel makes it itself)
+        delta = None if chosen == "fused" else F.linear(xdbl[..., :R], _as(dt_proj_weight, xdt))
         A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
         # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
-        train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0))
-        y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
-            delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)
+        train = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0, dt_proj_weight))
+        if chosen == "fused":  # delta made on the tensor cores inside the scan's launch
+            y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(
+                u, xdbl, z, _as(dt_proj_weight, xdt), A_log, dt_bias, D, h0, return_final_state, train,
+                cfg.l_segments)
+        else:
+            y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
+                delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)
         out = F.linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
     return (out, h, conv_T) if return_final_state else out
 

@@ -11,8 +11,9 @@ exactly 1 to exactly 0 in float32), x from 1e-3 to 1e3, the delta projection sca
 softplus arguments run past -20 and +20 and delta spans about 1e-4 to 1e2 (float16 cases stay inside its
 range: x up to 3, delta up to about 5). A third of the cases run the backward too, against float64 autograd.
 
-Block cases (path 'block-unfused', or 'block-reference' for the harness's own tests): the Mamba-1 block
-(selscan_fused.mamba_block) with d_model a multiple of 8, expand 2, N 8-64, d_conv 2-4, dt_rank from 1 to
+Block cases (paths 'block-unfused' and 'block-fused', or 'block-reference' for the harness's own tests):
+the Mamba-1 block (selscan_fused.mamba_block) with d_model a multiple of 8 (of 32 for the fused block:
+d_inner a multiple of its channel tile), expand 2, N 8-64, d_conv 2-4, dt_rank from 1 to
 ceil(d_model / 16) + 8, with or without h0 and conv_state, the same decay and delta-bias ranges, x from
 1e-2 to 1e2; judged the same way on out, both final states and every gradient, against
 block_reference.mamba_block_ref in float64 and float32 and, for bfloat16/float16, against the float32
@@ -111,13 +112,16 @@ def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
 def _make_block_case(r: random.Random, seed: int, index: int, impl: str) -> Case:
     mode = r.choice(list(TOLERANCE))
     N = r.choice([8, 16, 16, 32, 64])
-    Dm = 8 * r.choice([1, 2, 3, 6, 12, 24, 48, 96])
+    # d_model: a multiple of 8 (d_inner of UNFUSED_DIM_MULTIPLE), of 32 for the fused block (d_inner of 64)
+    mult = FUSED_DIM_MULTIPLE // 2 if impl == "block-fused" else UNFUSED_DIM_MULTIPLE
+    Dm = mult * r.choice([1, 2, 3, 6, 12, 24, 48, 96]) // (1 if mult == 8 else 4) or mult
+    Dm = max(mult, Dm - Dm % mult)
     L = max(1, int(round(math.exp(r.uniform(0.0, math.log(4097))))))
     if r.random() < 0.15:
         L = r.choice([1, 7, 1000, 4097])
     batch = r.choice([1, 1, 2, 3]) if L > 1500 else r.choice([1, 2, 3, 5])
-    while batch * L * 2 * Dm > 3_000_000 and Dm > 8:  # keeps the float64 evaluation quick
-        Dm = max(8, Dm // 2 - (Dm // 2) % 8)
+    while batch * L * 2 * Dm > 3_000_000 and Dm > mult:  # keeps the float64 evaluation quick
+        Dm = max(mult, Dm // 2 - (Dm // 2) % mult)
     lo, hi = sorted((r.uniform(-8.0, 4.0), r.uniform(-8.0, 4.0)))
     x_scale = 10 ** r.uniform(-2.0, 2.0)
     z_scale = 10 ** r.uniform(-2.0, 1.0)
@@ -389,7 +393,7 @@ def _run_case(c: Case, device, path) -> list[str]:
 
 def supported_impls(block: bool = True):
     """The CUDA paths the cases draw from: the layer's ('unfused', 'fused') and the block's
-    ('block-unfused'), as far as the extension and the GPU have them."""
+    ('block-unfused', 'block-fused'), as far as the extension and the GPU have them."""
     impls = []
     if selscan_fused.extension_available():
         impls.append("unfused")
@@ -397,4 +401,6 @@ def supported_impls(block: bool = True):
             impls.append("block-unfused")
     if (selscan_fused._extension.fused_extension_available() and torch.cuda.get_device_capability() == (9, 0)):
         impls.append("fused")
+        if block:
+            impls.append("block-fused")
     return tuple(impls)

@@ -11,7 +11,7 @@ import selscan_fused
 from selscan_fused import Mamba, mamba_block
 from selscan_fused.block_reference import mamba_block_ref, mamba_step_ref
 from conftest import (DTYPES, TOLERANCE, fresh_seed, matmul_precision, rel_l2, requires_cuda,
-                      requires_extension)
+                      requires_extension, requires_hopper)
 
 try:
     import transformers
@@ -170,13 +170,15 @@ def test_errors_name_the_argument():
         block(torch.randn(2, 5, 31))
     with pytest.raises(ValueError, match="impl must be one of"):
         Mamba(32, impl="fast")
-    with pytest.raises(ValueError, match="impl='unfused'"):
+    with pytest.raises(ValueError, match="impl='fused' needs CUDA tensors"):
         Mamba(32, impl="fused")(x)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         Mamba(32, impl="unfused")(x)
 
 
-# ---- the unfused CUDA path (GPU) ----
+# ---- the CUDA paths (GPU): 'unfused' (sm_80+) and 'fused' (sm_90) ----
+
+CUDA_IMPLS = ["unfused", pytest.param("fused", marks=requires_hopper)]
 
 def cuda_block(d_model, N, d_conv, bias, impl, expand=2, dt_rank="auto"):
     b = randomize(Mamba(d_model, d_state=N, d_conv=d_conv, expand=expand, dt_rank=dt_rank, bias=bias,
@@ -213,15 +215,21 @@ SHAPES = [
 
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
 @pytest.mark.parametrize("mode", list(DTYPES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
-def test_unfused_values_and_gradients_against_float64(mode, shape, poisoned_outputs):
+def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_outputs):
     batch, L, d_model, N, d_conv, bias, with_states, expand = shape
     fresh_seed()
     dtype = DTYPES[mode]
-    base = cuda_block(d_model, N, d_conv, bias, "unfused", expand)
+    base = cuda_block(d_model, N, d_conv, bias, impl, expand)
     block = rounded(base, dtype)
     x = torch.randn(batch, L, d_model, device="cuda").to(dtype)
+    if impl == "fused" and block.d_inner % 64 != 0:  # outside the fused kernel's envelope: the error says so
+        with pytest.raises(ValueError, match=f"d_inner = {block.d_inner} is not supported by impl='fused'.*"
+                                             "impl='unfused'"):
+            block(x)
+        return
     di = block.d_inner
     h0 = torch.randn(batch, di, N, device="cuda") * 0.5 if with_states else None
     cs = torch.randn(batch, di, d_conv - 1, device="cuda").to(dtype) if with_states else None
@@ -291,10 +299,11 @@ def test_unfused_against_hugging_face_on_the_gpu(dtype):
 
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unfused_in_pieces_equals_one_call(dtype):
+def test_cuda_in_pieces_equals_one_call(impl, dtype):
     fresh_seed()
-    block = rounded(cuda_block(64, 16, 4, False, "unfused"), dtype)
+    block = rounded(cuda_block(64, 16, 4, False, impl), dtype)
     x = torch.randn(2, 1000, 64, device="cuda").to(dtype)
     with torch.no_grad():
         out, h, c = block(x, return_final_state=True)
@@ -309,9 +318,10 @@ def test_unfused_in_pieces_equals_one_call(dtype):
 
 @requires_cuda
 @requires_extension
-def test_unfused_backward_is_deterministic():
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_cuda_backward_is_deterministic(impl):
     fresh_seed()
-    block = cuda_block(128, 16, 4, False, "unfused").to(torch.bfloat16)
+    block = cuda_block(128, 16, 4, False, impl).to(torch.bfloat16)
     x = torch.randn(3, 1000, 128, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     grads = []
@@ -350,10 +360,11 @@ def test_unfused_block_ops_opcheck():
 
 @requires_cuda
 @requires_extension
-def test_unfused_compiles_and_captures_a_training_step():
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_cuda_compiles_and_captures_a_training_step(impl):
     """torch.compile(fullgraph=True) of a training step and CUDA-graph replay of a forward equal eager."""
     fresh_seed()
-    block = cuda_block(64, 16, 4, False, "unfused")
+    block = cuda_block(64, 16, 4, False, impl)
     x = torch.randn(2, 200, 64, device="cuda")
 
     def loss_fn(xx):
@@ -437,3 +448,50 @@ def test_gate_bwd_kernel_against_float64(dtype, batch, L, d):
         assert (err <= 2 * eps * want.abs() + 1e-6 * want.abs().max()).all(), err.max().item()
     with pytest.raises(RuntimeError, match="yu"):
         torch.ops.selscan_fused.gate_bwd(dy, z, yu[:, :, :-1])
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_block_equals_unfused_and_writes_no_delta(dtype):
+    """The fused block against the unfused one on the same weights (both round the products alike but
+    delta: the fused kernel keeps dt_proj's product in float32), the auto rule unchanged, and the fused
+    forward's peak memory at least one (batch, L, d_inner) tensor (delta) below the unfused one's."""
+    fresh_seed()
+    base = cuda_block(256, 16, 4, False, "unfused").to(dtype)
+    x = torch.randn(4, 4096, 256, device="cuda", dtype=dtype)
+    assert selscan_fused.resolve_block_impl("auto", x, base.d_inner, 16, 4) == "unfused"
+    peaks, outs = {}, {}
+    with torch.no_grad():
+        for impl in ("unfused", "fused"):
+            base.impl = impl
+            base(x)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            outs[impl] = base(x)
+            peaks[impl] = torch.cuda.max_memory_allocated() - before
+    delta_bytes = 4 * 4096 * base.d_inner * 2
+    print(f"peak extra MiB: unfused {peaks['unfused'] / 2**20:.1f}, fused {peaks['fused'] / 2**20:.1f}; "
+          f"delta {delta_bytes / 2**20:.1f}; fused vs unfused rel {rel_l2(outs['fused'], outs['unfused']):.2e}")
+    assert peaks["fused"] <= peaks["unfused"] - 0.9 * delta_bytes
+    assert rel_l2(outs["fused"], outs["unfused"]) < 1e-2
+
+
+@requires_cuda
+@requires_hopper
+def test_fused_block_op_opcheck():
+    fresh_seed()
+    batch, L, di, N, R = 2, 70, 64, 16, 3  # R + 2N = 35: the padded product operand
+    f = dict(device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(batch, L, di, **f)
+    xdbl = torch.randn(batch, L, R + 2 * N, **f)
+    xz = torch.randn(batch, L, 2 * di, **f)
+    dt_w = torch.randn(di, R, **f) * 0.3
+    A_log = torch.randn(di, N, device="cuda")
+    b = torch.randn(di, device="cuda") - 3
+    D = torch.randn(di, device="cuda")
+    h0 = torch.randn(batch, di, N, device="cuda")
+    args = (u, xdbl, xz.split(di, -1)[1], dt_w, A_log, b, D, h0, True, True, 0)
+    torch.library.opcheck(torch.ops.selscan_fused.fused_block_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -12,7 +12,7 @@ from selscan_fused.block_reference import mamba_step_ref
 from selscan_fused.decode import STEP_IMPLS, mamba_block_step, resolve_step_impl
 from selscan_fused.generation import CUDAGraphStep
 from selscan_fused.model import MambaLM, MambaLMConfig
-from conftest import fresh_seed, matmul_precision, rel_l2, requires_cuda, requires_extension
+from conftest import fresh_seed, matmul_precision, rel_l2, requires_cuda, requires_extension, requires_hopper
 
 
 def block_weights(d_model, d_inner, N, R, W, bias=True, conv_bias=True, dtype=torch.float64, device="cpu"):
@@ -257,6 +257,34 @@ def test_model_kernel_steps_equal_the_float64_forward(dtype, tol):
     e = rel_l2(torch.stack(steps, 1).float().cpu(), full64[:, 19:60])
     print(f"{dtype}: prefill + kernel steps against float64 rel err {e:.2e}")
     assert e < tol
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_prefill_then_kernel_steps_equal_the_float64_forward(dtype, tol):
+    """The whole decode pipeline on the fast paths: prefill through the blocks' fused path (d_inner 192,
+    a multiple of its channel tile), then the decode kernels, against the float64 forward."""
+    cfg = MambaLMConfig(d_model=96, n_layer=3, vocab_size=211, ssm_cfg={"d_state": 16, "d_conv": 4})
+    fresh_seed()
+    cpu = MambaLM(cfg, impl="reference")
+    gpu = MambaLM(cfg, impl="fused", device="cuda", dtype=dtype)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.eval()
+    ref64 = MambaLM(cfg, impl="reference").double().eval()
+    ref64.load_state_dict({k: v.double().cpu() for k, v in gpu.state_dict().items()})
+    ids = torch.randint(0, 211, (2, 300))
+    with torch.no_grad():
+        full64 = ref64(ids)
+    with matmul_precision("float32-highest"):
+        e_full = rel_l2(gpu(ids.cuda()).float().cpu(), full64)
+        cache = gpu.allocate_cache(2)
+        steps = [gpu.prefill(ids[:, :260].cuda(), cache)]
+        for t in range(260, 300):
+            steps.append(gpu.step(ids[:, t].cuda(), cache, decode_impl="kernel").clone())
+    e = rel_l2(torch.stack(steps, 1).float().cpu(), full64[:, 259:300])
+    print(f"{dtype}: fused forward {e_full:.2e}, fused prefill + kernel steps {e:.2e} against float64")
+    assert e_full < tol and e < tol
 
 
 @requires_cuda

@@ -83,6 +83,21 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
 }
 
+// The scan's store of kCh adjacent channels of one token (row = sequence * L + token): the layer's y,
+// or, for the block (p.z given), y before the gate to p.y_ungated when set, then y * silu(z). One
+// uniform branch per store: the layer's loop is unchanged, the block shares its instantiations.
+template <int kCh, class EO>
+__device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t row, int64_t d, float (&out)[kCh]) {
+  if (p.z != nullptr) {
+    if (p.y_ungated != nullptr) store_vals<kCh>(static_cast<EO*>(p.y_ungated) + row * p.dim + d, out);
+    float zv[kCh];
+    load_vals<kCh>(static_cast<const EO*>(p.z) + row * p.z_stride + d, zv);
+    CUTE_UNROLL
+    for (int ch = 0; ch < kCh; ++ch) out[ch] *= silu(zv[ch]);
+  }
+  store_vals<kCh>(yp, out);
+}
+
 // Thread (channel pair/channel c, state group g): kNS = N/4 states of each of kCh adjacent channels,
 // which share the thread's loads of B and C. Per 4 tokens: loads, 4*kCh*kNS independent exp2, the
 // chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
@@ -263,7 +278,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             float xg[1];
             load_vals<1>(xp + (tg + g) * Cfg::kDt, xg);
             float out[1] = {fmaf(dskip[0], xg[0], v[0])};
-            if (tg + g < n_valid) store_vals<1>(yp, out);
+            if (tg + g < n_valid) store_out<1>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out);
             yp += y_step;
           } else if (kFull) {
             // Per channel, reduce-scatter over the 4 threads of the channel: thread g ends with token
@@ -281,7 +296,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
               const float xg = g == 0 ? xv[0][ch] : (g == 1 ? xv[1][ch] : (g == 2 ? xv[2][ch] : xv[3][ch]));
               out[ch] = fmaf(dskip[ch], xg, total);
             }
-            if (tg + g < n_valid) store_vals<kCh>(yp, out);
+            if (tg + g < n_valid) store_out<kCh>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out);
             yp += y_step;
           } else {
             CUTE_UNROLL
@@ -447,8 +462,8 @@ Args fused_args(const FusedParams& p, int device) {
   struct Cache {
     bool w_valid = false, x_valid = false;
     int device = -1;
-    const void *wd = nullptr, *wb = nullptr, *wc = nullptr, *x = nullptr;
-    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1;
+    const void *wd = nullptr, *wb = nullptr, *wc = nullptr, *x = nullptr, *xk = nullptr;
+    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1, kdim = -1;
     alignas(64) unsigned char args[sizeof(Args)];
   };
   thread_local Cache c;
@@ -458,8 +473,9 @@ Args fused_args(const FusedParams& p, int device) {
     return make_tmas<Cfg>(p);
   }
   const bool same_w = c.w_valid && c.device == device && c.wd == p.W_delta && c.wb == p.W_B && c.wc == p.W_C &&
-                      c.dim == p.dim && c.dstate == p.dstate;
-  const bool same_x = same_w && c.x_valid && c.x == p.x && c.seqlen == p.seqlen && c.batch == p.batch;
+                      c.dim == p.dim && c.dstate == p.dstate && c.kdim == p.kdim();
+  const bool same_x = same_w && c.x_valid && c.x == p.x && c.xk == p.operand() && c.seqlen == p.seqlen &&
+                      c.batch == p.batch;
   Args* cached = std::launder(reinterpret_cast<Args*>(c.args));
   if (!same_w) {
     const Args fresh = make_tmas<Cfg>(p);
@@ -477,8 +493,8 @@ Args fused_args(const FusedParams& p, int device) {
   }
   c.w_valid = c.x_valid = true;
   c.device = device;
-  c.wd = p.W_delta; c.wb = p.W_B; c.wc = p.W_C; c.x = p.x;
-  c.dim = p.dim; c.dstate = p.dstate; c.seqlen = p.seqlen; c.batch = p.batch;
+  c.wd = p.W_delta; c.wb = p.W_B; c.wc = p.W_C; c.x = p.x; c.xk = p.operand();
+  c.dim = p.dim; c.dstate = p.dstate; c.seqlen = p.seqlen; c.batch = p.batch; c.kdim = p.kdim();
   return *cached;
 }
 

@@ -22,13 +22,13 @@ namespace {
 
 std::atomic<bool> g_poison_outputs{false};  // test hook, as set_poison_outputs in torch_ops.cpp
 
-void check_fused_envelope(const at::Tensor& x, int64_t Dm, int64_t N) {
+void check_fused_envelope(const at::Tensor& x, int64_t Dm, int64_t N, const char* dim_name = "d_model D") {
   TORCH_CHECK(fused_available(x.get_device()), "selscan_fused: impl='fused' needs an sm_90 GPU (H100/H200); ",
               x.device(), " is not one: use impl='unfused'");
   TORCH_CHECK(fused_supports_dstate(N), "selscan_fused: d_state N = ", N,
               " is not supported by impl='fused' (supported: 8, 16, 32, 64); use impl='unfused'");
   TORCH_CHECK(Dm % kFusedChannelTile == 0 && Dm >= kFusedChannelTile && Dm <= kFusedMaxDim,
-              "selscan_fused: d_model D = ", Dm, " is not supported by impl='fused' (a multiple of ",
+              "selscan_fused: ", dim_name, " = ", Dm, " is not supported by impl='fused' (a multiple of ",
               kFusedChannelTile, " from ", kFusedChannelTile, " to ", kFusedMaxDim, "); use impl='unfused'");
 }
 
@@ -276,6 +276,98 @@ std::vector<int64_t> fused_bwd_plan_op(const at::Tensor& x, int64_t dstate, int6
           threads_per_channel != 0 ? threads_per_channel : int64_t(kFusedBwdThreadsPerChannel)};
 }
 
+// ---- The Mamba block's fused forward: the layer's kernel with the product's operand [dt_low | B | C]
+// (x_proj's output) and the gated output (FusedParams, "The Mamba block").
+
+// (y, final_state, ckpt, y_ungated), as selscan_fused::gated_scan_fwd returns them: y = (C h + D u) *
+// silu(z), delta = softplus(dt_low dt_proj_weight^T + dt_bias) made on the tensor cores in the kernel;
+// training: the checkpoints (batch, ckpt_count(L), D, N) and y before the gate (for the backward), else
+// (0, ckpt_count(L), D, N) and (0, L, D).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
+    const at::Tensor& u_in, const at::Tensor& xdbl, const at::Tensor& z_in, const at::Tensor& dt_proj_weight,
+    const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    bool return_final_state, bool training, int64_t l_segments) {
+  TORCH_CHECK(u_in.is_cuda(), "selscan_fused: fused_block_fwd: u is on ", u_in.device(),
+              "; impl='fused' needs CUDA tensors (impl='reference' runs on the CPU)");
+  TORCH_CHECK(u_in.dim() == 3, "selscan_fused: fused_block_fwd: u (the conv's output) must have shape (batch, L, "
+              "d_inner), got ", u_in.sizes());
+  to_dtype(u_in.scalar_type(), "u (fused_block_fwd)");
+  TORCH_CHECK(A_log.dim() == 2, "selscan_fused: fused_block_fwd: A_log must have shape (d_inner, d_state), got ",
+              A_log.sizes());
+  TORCH_CHECK(dt_proj_weight.dim() == 2, "selscan_fused: fused_block_fwd: dt_proj_weight must have shape (d_inner, "
+              "dt_rank), got ", dt_proj_weight.sizes());
+  const int64_t batch = u_in.size(0), L = u_in.size(1), Dm = u_in.size(2), N = A_log.size(1),
+                R = dt_proj_weight.size(1), K = R + 2 * N;
+  const char* sizes = " (batch, L, d_inner from u; d_state from A_log; dt_rank from dt_proj_weight)";
+  const auto dt = u_in.scalar_type();
+  check_tensor(A_log, "A_log (fused_block_fwd)", u_in, {Dm, N}, at::kFloat, sizes);
+  check_tensor(dt_bias, "dt_bias (fused_block_fwd)", u_in, {Dm}, at::kFloat, sizes);
+  check_tensor(D, "D (fused_block_fwd)", u_in, {Dm}, at::kFloat, sizes);
+  check_tensor(dt_proj_weight, "dt_proj_weight (fused_block_fwd)", u_in, {Dm, R}, dt, sizes);
+  check_tensor(xdbl, "xdbl (fused_block_fwd: x_proj's output [dt_low | B | C])", u_in, {batch, L, K}, dt, sizes);
+  check_tensor(z_in, "z (fused_block_fwd)", u_in, {batch, L, Dm}, dt, sizes);
+  if (h0) check_tensor(*h0, "h0 (fused_block_fwd)", u_in, {batch, Dm, N}, at::kFloat, sizes);
+  check_fused_envelope(u_in, Dm, N, "d_inner");
+  TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX && K <= INT32_MAX, "selscan_fused: impl='fused' takes batch and "
+              "L below 2^31 (got batch = ", batch, ", L = ", L, "); use impl='unfused'");
+  const c10::cuda::CUDAGuard guard(u_in.device());
+  const auto f32 = u_in.options().dtype(at::kFloat);
+  at::Tensor ckpt = at::empty({training ? batch : 0, ckpt_count(L), Dm, N}, f32);
+  at::Tensor yu = at::empty({training ? batch : 0, L, Dm}, u_in.options());
+  at::Tensor y = at::empty({batch, L, Dm}, u_in.options());
+  at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{batch, Dm, N} : at::IntArrayRef{0}, f32);
+  if (batch == 0 || L == 0) {
+    if (return_final_state) {
+      if (h0) hT.copy_(*h0); else hT.zero_();
+    }
+    return {y, hT, ckpt, yu};
+  }
+  // The product's K, padded to whole 16-byte rows (TMA); the padding columns are zeros on both sides.
+  const int64_t elem = dt == at::kFloat ? 4 : 2, kq = 16 / elem, Kp = (K + kq - 1) / kq * kq;
+  at::Tensor xk = (Kp == K) ? aligned_contiguous(xdbl) : at::constant_pad_nd(xdbl, {0, Kp - K}, 0).contiguous();
+  at::Tensor Wd = at::zeros({Dm, Kp}, u_in.options()), Wb = at::zeros({N, Kp}, u_in.options()),
+             Wc = at::zeros({N, Kp}, u_in.options());
+  Wd.narrow(1, 0, R).copy_(dt_proj_weight);
+  const at::Tensor eye = at::eye(N, u_in.options());
+  Wb.narrow(1, R, N).copy_(eye);
+  Wc.narrow(1, R + N, N).copy_(eye);
+  const at::Tensor u = aligned_contiguous(u_in);
+  // z's rows: unit channel stride and one token stride for every row (the right half of in_proj's
+  // contiguous output qualifies), else a contiguous copy.
+  const bool z_rows = z_in.stride(2) == 1 && z_in.stride(1) >= Dm && z_in.stride(0) == L * z_in.stride(1) &&
+                      z_in.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(z_in.data_ptr()) % (2 * elem) == 0;
+  const at::Tensor z = z_rows ? z_in : z_in.contiguous();
+  const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
+  at::Tensor h0_c;
+  if (h0) h0_c = h0->contiguous();
+
+  FusedParams p = make_params(u, batch, L, Dm, N);
+  p.x = u.data_ptr(); p.xk = xk.data_ptr(); p.k_dim = Kp;
+  p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
+  p.z = z.data_ptr(); p.z_stride = z.stride(1);
+  p.y_ungated = training ? yu.data_ptr() : nullptr;
+  FusedLaunchInfo plan;
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, 0, u.get_device(), &plan), "planning the fused kernel");
+  p.n_segments = plan.n_segments; p.seg_len = plan.seg_len; p.channel_tile = int(plan.channel_tile);
+  const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
+  at::Tensor ws;
+  if (ws_floats > 0) ws = at::empty({ws_floats}, f32);
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+    if (ckpt.numel() > 0) ckpt.fill_(NAN);
+    if (yu.numel() > 0) yu.fill_(NAN);
+  }
+  p.ckpt = training ? ckpt.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch (block)");
+  return {y, hT, ckpt, yu};
+}
+
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
 void fused_set_descriptor_cache_op(bool enable) { fused_set_descriptor_cache(enable); }
 
@@ -296,12 +388,17 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "Tensor? h0, Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments, int mode=0, int threads_per_channel=0) "
         "-> Tensor[]");
   m.def("fused_bwd_plan(Tensor x, int dstate, int l_segments, int mode=0, int threads_per_channel=0) -> int[]");
+  // The Mamba block's fused forward (the same kernel): (y, final_state, ckpt, y_ungated) as gated_scan_fwd.
+  m.def("fused_block_fwd(Tensor u, Tensor xdbl, Tensor z, Tensor dt_proj_weight, Tensor A_log, Tensor dt_bias, "
+        "Tensor D, Tensor? h0, bool return_final_state, bool training, int l_segments) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
   // Test and benchmark hook: off, every call encodes all its TMA descriptors (fused_api.h).
   m.def("fused_set_descriptor_cache(bool enable) -> ()", &selscan::fused_set_descriptor_cache_op);
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
+  m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);
   m.impl("fused_bwd_plan", &selscan::fused_bwd_plan_op);
@@ -310,6 +407,7 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
+  m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);
   m.impl("fused_bwd_plan", &selscan::fused_bwd_plan_op);

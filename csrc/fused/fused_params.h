@@ -37,6 +37,20 @@ struct FusedParams {
   const float* D = nullptr;         // (D,)
   const float* h0 = nullptr;        // (batch, D, N) or null
 
+  // The Mamba block (selscan_fused.mamba_block, impl='fused'): the same kernel with the product's
+  // operand and the output's gate given separately (all null / 0 for the layer).
+  //  - delta from the low rank: the tensor cores read xk = [dt_low | B | C] (x_proj's output, (batch, L,
+  //    k_dim), k_dim = R + 2N) against W_delta = [dt_proj's weight | 0] (D, k_dim), W_B = [0 | I | 0] and
+  //    W_C = [0 | 0 | I] (N, k_dim): dt_proj runs on the tensor cores inside the scan's launch and B, C
+  //    pass through exactly (products by 1 and 0); x (the scan's input and D's) is the conv's output u.
+  //  - the gated output: y = (C h + D u) * silu(z), z (batch, L, D) with token stride z_stride (the right
+  //    half of in_proj's output); y_ungated, when set, receives C h + D u (for the backward).
+  const void* xk = nullptr;         // (batch, L, k_dim), dtype, contiguous; null: x (the layer)
+  int64_t k_dim = 0;                // the product's reduction length; 0: D (the layer)
+  const void* z = nullptr;          // (batch, L, D) rows of z_stride elements, dtype; null: no gate
+  int64_t z_stride = 0;
+  void* y_ungated = nullptr;        // (batch, L, D), dtype, or null
+
   // Outputs.
   void* y = nullptr;                // (batch, L, D), dtype
   float* final_state = nullptr;     // (batch, D, N) or null
@@ -48,6 +62,10 @@ struct FusedParams {
   int64_t n_segments = 1;
   int64_t seg_len = 0;              // a multiple of the token tile (64)
   float* workspace = nullptr;       // split_workspace_floats(...) floats (common/l_split.h)
+
+  // The product's operand and reduction length (the layer: x and D).
+  __host__ __device__ const void* operand() const { return xk != nullptr ? xk : x; }
+  __host__ __device__ int64_t kdim() const { return k_dim > 0 ? k_dim : dim; }
 };
 
 }  // namespace selscan

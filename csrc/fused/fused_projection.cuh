@@ -163,6 +163,13 @@ __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t id
   return s;
 }
 
+// K chunks of the products: K / kBK for the layer (D is a multiple of 64); the block's K = R + 2N is
+// rounded up (the last chunk's boxes are zero-filled past K).
+template <class Cfg>
+__device__ __forceinline__ int k_chunks(const FusedParams& p) {
+  return int((p.kdim() + Cfg::kBK - 1) / Cfg::kBK);
+}
+
 // Whether the scan tile starting at token t0 holds tokens (the first of every tile does).
 template <class Cfg>
 __device__ __forceinline__ bool sub_tile_live(const FusedParams& p, int64_t t0) {
@@ -240,15 +247,15 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
                                                SS& ss, RoleState<Cfg>& st, int64_t first,
                                                int64_t count) {
   const FusedParams& p = a.p;
-  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate);
+  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), N = int(p.dstate), K = int(p.kdim());
   using TE = typename Cfg::TmaElement;
   Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.x.begin())), typename Cfg::SmemLayoutXTma{});
   TE* const w_base = reinterpret_cast<TE*>(ss.w.begin());
-  Tensor mX = a.tma_x.get_tma_tensor(make_shape(L, Dm, Bt));
-  Tensor mWd = a.tma_wd.get_tma_tensor(make_shape(Dm, Dm));
-  Tensor mWb = a.tma_wb.get_tma_tensor(make_shape(N, Dm));
-  Tensor mWc = a.tma_wc.get_tma_tensor(make_shape(N, Dm));
-  const int k_tiles = Dm / Cfg::kBK;
+  Tensor mX = a.tma_x.get_tma_tensor(make_shape(L, K, Bt));
+  Tensor mWd = a.tma_wd.get_tma_tensor(make_shape(Dm, K));
+  Tensor mWb = a.tma_wb.get_tma_tensor(make_shape(N, K));
+  Tensor mWc = a.tma_wc.get_tma_tensor(make_shape(N, K));
+  const int k_tiles = k_chunks<Cfg>(p);
   // One stage's three weight boxes inside the stacked tile (rows [0,kDt), [kDt,kDt+kN), [kDt+kN,kNW)).
   auto w_box = [&](int stage, int row0, auto layout) {
     return make_tensor(make_smem_ptr(w_base + stage * Cfg::kWStageElems + row0 * Cfg::kBK), layout);
@@ -324,7 +331,7 @@ template <class Cfg, class SS>
 __device__ __forceinline__ void round_phase(const FusedParams& p, typename Cfg::Ring& ring, SS& ss,
                                             RingState<Cfg::kStages>& st, int64_t first, int64_t count) {
   const int tid = threadIdx.x - 32;  // 0..95
-  const int k_tiles = int(p.dim / Cfg::kBK);
+  const int k_tiles = k_chunks<Cfg>(p);
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
     for (int64_t t = 0; t < s.n_tiles * k_tiles; ++t) {
@@ -417,7 +424,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
   static_assert(decltype(size<1, 2>(CLayout{}))::value == Cfg::kNW / 8 &&
                     decltype(stride<1, 2>(CLayout{}))::value == 8 * Cfg::kT,
                 "register groups of 4 must step 8 columns");
-  const int k_tiles = int(p.dim / Cfg::kBK);
+  const int k_tiles = k_chunks<Cfg>(p);
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(p, idx);
@@ -562,14 +569,19 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
 
 // The TMA descriptors: x's two (operand tiles, scan tiles) and the three weights'. Encoding one is
 // host work in every call; fused_args() below reuses those whose tensor is the same.
+// The operand tiles read p.operand() (x, or the block's xk) over K = p.kdim() columns; the scan tiles
+// read x (the block's u) over its D channels. Boxes past K (K not a multiple of kBK) are zero-filled by
+// the TMA unit, and the weights' boxes there too: they add nothing to the products.
 template <class Cfg>
 auto make_x_tmas(const FusedParams& p) {
   using TE = typename Cfg::TmaElement;
-  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch);
-  const int64_t ld = p.dim;
+  const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), K = int(p.kdim());
+  const int64_t ld = p.dim, ldk = p.kdim();
+  auto gk = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.operand())),
+                        make_layout(make_shape(L, K, Bt), make_stride(ldk, _1{}, int64_t(L) * ldk)));
   auto gx = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.x)),
                         make_layout(make_shape(L, Dm, Bt), make_stride(ld, _1{}, int64_t(L) * ld)));
-  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXTma{}(_, _, 0));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Cfg::SmemLayoutXTma{}(_, _, 0));
   auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
   return cute::make_tuple(tma_x, tma_xt);
 }
@@ -577,14 +589,14 @@ auto make_x_tmas(const FusedParams& p) {
 template <class Cfg>
 auto make_w_tmas(const FusedParams& p) {
   using TE = typename Cfg::TmaElement;
-  const int Dm = int(p.dim), N = int(p.dstate);
-  const int64_t ld = p.dim;
+  const int Dm = int(p.dim), N = int(p.dstate), K = int(p.kdim());
+  const int64_t ld = p.kdim();
   auto gwd = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_delta)),
-                         make_layout(make_shape(Dm, Dm), make_stride(ld, _1{})));
+                         make_layout(make_shape(Dm, K), make_stride(ld, _1{})));
   auto gwb = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_B)),
-                         make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
+                         make_layout(make_shape(N, K), make_stride(ld, _1{})));
   auto gwc = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.W_C)),
-                         make_layout(make_shape(N, Dm), make_stride(ld, _1{})));
+                         make_layout(make_shape(N, K), make_stride(ld, _1{})));
   auto tma_wd = make_tma_copy(SM90_TMA_LOAD{}, gwd, typename Cfg::SmemLayoutWdTma1{});
   auto tma_wb = make_tma_copy(SM90_TMA_LOAD{}, gwb, typename Cfg::SmemLayoutWnTma1{});
   auto tma_wc = make_tma_copy(SM90_TMA_LOAD{}, gwc, typename Cfg::SmemLayoutWnTma1{});
