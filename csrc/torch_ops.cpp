@@ -16,6 +16,7 @@
 #include <limits>
 #include <tuple>
 
+#include "common/seq_map.h"
 #include "op_checks.h"
 #include "scan/scan_api.h"
 
@@ -39,11 +40,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
     const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x_in, const at::Tensor& A_log,
     const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
     int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N, at::Tensor* ckpt = nullptr,
-    const at::Tensor* z_in = nullptr, bool keep_ungated = false) {
+    const at::Tensor* z_in = nullptr, bool keep_ungated = false, const at::Tensor* cu = nullptr) {
   const c10::cuda::CUDAGuard guard(x_in.device());
+  // Packed (cu given): batch sequences in one row of L tokens (common/seq_map.h); y is (1, L, D).
+  const int64_t rows_batch = cu != nullptr ? 1 : batch;
   if (batch == 0 || L == 0) {
     auto [y, hT] = empty_result(x_in, batch, Dm, N, h0, return_final_state);
-    return {y, hT, at::empty({keep_ungated ? batch : 0, L, Dm}, x_in.options())};
+    return {y, hT, at::empty({keep_ungated ? rows_batch : 0, L, Dm}, x_in.options())};
   }
   const at::Tensor x = aligned_contiguous(x_in);
   const auto [delta, delta_stride] = row_operand(delta_in);
@@ -67,14 +70,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
     p.z = z.data_ptr(); p.z_stride = z_stride;
   }
 
+  if (cu != nullptr) p.cu_seqlens = cu->data_ptr<int32_t>();
   ScanLaunchInfo plan;
-  SELSCAN_CUDA_OK(scan_plan(p, l_segments, x.get_device(), &plan), "planning the scan");
+  SELSCAN_CUDA_OK(scan_plan(p, cu != nullptr ? 1 : l_segments, x.get_device(), &plan), "planning the scan");
   p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
 
-  at::Tensor y = at::empty({batch, L, Dm}, x.options());
+  at::Tensor y = at::empty({rows_batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
-  at::Tensor yu = at::empty({keep_ungated ? batch : 0, L, Dm}, x.options());
+  at::Tensor yu = at::empty({keep_ungated ? rows_batch : 0, L, Dm}, x.options());
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   poison(y);
@@ -163,7 +167,9 @@ struct ScanBwdOut {
 ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x,
                         const at::Tensor& A_c, const at::Tensor& b_delta, const at::Tensor& D,
                         const at::Tensor& dy_in, const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt_in,
-                        int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N) {
+                        int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N,
+                        const at::Tensor* cu = nullptr) {
+  const int64_t rows_batch = cu != nullptr ? 1 : batch;  // packed: batch sequences in one row of L tokens
   const auto fopt = x.options().dtype(at::kFloat);
   const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
   const at::Tensor ckpt = ckpt_in.contiguous();
@@ -182,16 +188,18 @@ ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, con
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
   p.ckpt = ckpt.data_ptr<float>();
+  if (cu != nullptr) p.cu_seqlens = cu->data_ptr<int32_t>();
   ScanBwdLaunchInfo plan;
-  SELSCAN_CUDA_OK(scan_bwd_plan(p, l_segments, x.get_device(), &plan), "planning the backward scan");
+  SELSCAN_CUDA_OK(scan_bwd_plan(p, cu != nullptr ? 1 : l_segments, x.get_device(), &plan),
+                  "planning the backward scan");
   p.n_segments = plan.n_segments; p.seg_len = plan.seg_len;
   const int64_t n_tiles = (Dm + plan.channel_tile - 1) / plan.channel_tile;
   const int64_t rows = plan.n_segments * batch;
 
   ScanBwdOut r;
-  r.dP = at::empty({batch, L, Dm + 2 * N}, x.options());
-  r.dx = at::empty({batch, L, Dm}, x.options());
-  r.bc_part = at::empty({batch * L, n_tiles, 2 * N}, fopt);
+  r.dP = at::empty({rows_batch, L, Dm + 2 * N}, x.options());
+  r.dx = at::empty({rows_batch, L, Dm}, x.options());
+  r.bc_part = at::empty({rows_batch * L, n_tiles, 2 * N}, fopt);
   r.dA_part = at::empty({rows, Dm, N}, fopt);
   r.dDdb_part = at::empty({2, rows * plan.rows_per_col, Dm}, fopt);
   r.dh0 = at::empty({batch, Dm, N}, fopt);
@@ -299,6 +307,98 @@ std::vector<int64_t> scan_plan_op(const at::Tensor& x, int64_t dstate, int64_t l
   return {plan.n_segments, plan.seg_len};
 }
 
+// ---- Packed sequences (common/seq_map.h): num_seqs sequences stored one after another in one row.
+
+// cu_seqlens' metadata (its values are the caller's: checked on the host by selscan_fused.varlen unless
+// validate=False, clamped on the device either way). Returns num_seqs.
+int64_t check_cu_seqlens_arg(const at::Tensor& cu, const at::Tensor& x, int64_t total) {
+  TORCH_CHECK(cu.device() == x.device(), "selscan_fused: cu_seqlens is on ", cu.device(), " but x is on ",
+              x.device(), "; all tensors must be on the same device");
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "selscan_fused: cu_seqlens must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "selscan_fused: cu_seqlens must have shape (num_seqs + 1,) with "
+              "num_seqs >= 1, got ", cu.sizes());
+  TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), "selscan_fused: the packed length ", total,
+              " does not fit cu_seqlens' int32 values");
+  return cu.size(0) - 1;
+}
+
+// The packed arguments both directions share: x (1, total, D), delta (1, total, D), bc (1, total, 2N), the
+// channel parameters, h0 (num_seqs, D, N). Returns (num_seqs, total, D, N).
+std::tuple<int64_t, int64_t, int64_t, int64_t> check_packed(const at::Tensor& delta, const at::Tensor& bc,
+                                                            const at::Tensor& x, const at::Tensor& A_log,
+                                                            const at::Tensor& b_delta, const at::Tensor& D,
+                                                            const c10::optional<at::Tensor>& h0,
+                                                            const at::Tensor& cu) {
+  TORCH_CHECK(x.is_cuda(), "selscan_fused: x is on ", x.device(), "; the packed CUDA ops need CUDA tensors "
+              "(impl='reference' runs on the CPU)");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "selscan_fused: packed sequences take x of shape (1, total_tokens, "
+              "D), got ", x.sizes());
+  to_dtype(x.scalar_type(), "x");
+  TORCH_CHECK(A_log.dim() == 2, "selscan_fused: A_log must have shape (D, N), got ", A_log.sizes());
+  const int64_t T = x.size(1), Dm = x.size(2), N = A_log.size(1);
+  const int64_t S = check_cu_seqlens_arg(cu, x, T);
+  check_tensor(A_log, "A_log", x, {Dm, N}, at::kFloat, " (D from x)");
+  check_tensor(b_delta, "b_delta", x, {Dm}, at::kFloat, " (D from x)");
+  check_tensor(D, "D", x, {Dm}, at::kFloat, " (D from x)");
+  check_tensor(delta, "delta", x, {1, T, Dm}, x.scalar_type(), " (delta_pre, shaped as x)");
+  check_tensor(bc, "bc", x, {1, T, 2 * N}, x.scalar_type(), " ([B | C]; N from A_log)");
+  if (h0) check_tensor(*h0, "h0", x, {S, Dm, N}, at::kFloat, " (one state per sequence: num_seqs from cu_seqlens)");
+  check_scan_envelope(Dm, N);
+  return {S, T, Dm, N};
+}
+
+// The scan kernel over packed sequences, each from h0[s] (or zeros) into the final state [s]:
+// (y (1, total, D), final state (num_seqs, D, N) or empty, checkpoints (1, packed_slots, D, N) when
+// training (else (0, ...)), y before the gate (1, total, D) when training with z, else empty). z: the
+// block's gate (1, total, D) or absent (the layer).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_fwd_packed(
+    const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x, const c10::optional<at::Tensor>& z,
+    const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    const at::Tensor& cu_seqlens, bool return_final_state, bool training) {
+  auto [S, T, Dm, N] = check_packed(delta, bc, x, A_log, b_delta, D, h0, cu_seqlens);
+  if (z) check_tensor(*z, "z", x, {1, T, Dm}, x.scalar_type(), " (the gate, shaped as x)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor cu = cu_seqlens.contiguous();
+  at::Tensor ckpt = at::empty({training ? 1 : 0, packed_slots(T, S, kCkptEvery), Dm, N},
+                              x.options().dtype(at::kFloat));
+  at::Tensor ckpt_rows = ckpt.view({-1, Dm, N});
+  auto [y, hT, yu] = run_scan(delta, bc, x, A_log, b_delta, D, h0, return_final_state, 1, S, T, Dm, N,
+                              training ? &ckpt_rows : nullptr, z ? &*z : nullptr, training && z.has_value(), &cu);
+  return {y, hT, ckpt, yu};
+}
+
+// The backward scan kernel over packed sequences: (dP (1, total, D + 2N) = [d delta_pre | dB | dC], dx (the
+// scan's own part), dA_log, db_delta, dD, dh0 (num_seqs, D, N)).
+std::vector<at::Tensor> scan_bwd_packed(const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x,
+                                        const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,
+                                        const c10::optional<at::Tensor>& h0, const at::Tensor& dy,
+                                        const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt,
+                                        const at::Tensor& cu_seqlens) {
+  auto [S, T, Dm, N] = check_packed(delta, bc, x, A_log, b_delta, D, h0, cu_seqlens);
+  check_tensor(dy, "dy (the gradient of y)", x, x.sizes(), c10::nullopt);
+  TORCH_CHECK(dy.is_floating_point(), "selscan_fused: dy must be floating-point, got ", dy.scalar_type());
+  if (dhT) {
+    check_tensor(*dhT, "dhT (the gradient of the final state)", x, {S, Dm, N}, c10::nullopt);
+    TORCH_CHECK(dhT->is_floating_point(), "selscan_fused: dhT must be floating-point, got ", dhT->scalar_type());
+  }
+  check_tensor(ckpt, "ckpt (the forward's checkpoints)", x, {1, packed_slots(T, S, kCkptEvery), Dm, N}, at::kFloat,
+               " (scan_fwd_packed's, with training=True)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  if (T == 0) {
+    const auto fopt = x.options().dtype(at::kFloat);
+    at::Tensor dh0 = dhT ? dhT->to(at::kFloat).clone(at::MemoryFormat::Contiguous) : at::zeros({S, Dm, N}, fopt);
+    return {at::zeros({1, T, Dm + 2 * N}, x.options()), at::zeros({1, T, Dm}, x.options()), at::zeros_like(A_log),
+            at::zeros_like(b_delta), at::zeros_like(D), dh0};
+  }
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const at::Tensor xc = aligned_contiguous(x);
+  const at::Tensor A_c = A_log.contiguous();
+  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, 1, S, T, Dm, N, &cu);
+  auto [dA_log, dD, db] = sum_partials(A_c, r.dP, r.bc_part, r.dA_part, r.dDdb_part, 1, T, Dm, N);
+  return {r.dP, r.dx, dA_log, db, dD, r.dh0};
+}
+
 void set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
 
 }  // namespace
@@ -320,6 +420,11 @@ TORCH_LIBRARY(selscan_fused, m) {
         "Tensor? h0, bool return_final_state, bool training, int l_segments) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("scan_bwd(Tensor delta, Tensor bc, Tensor x, Tensor A_log, Tensor b_delta, Tensor D, Tensor? h0, "
         "Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments) -> Tensor[]");
+  // Packed sequences (cu_seqlens, int32 (num_seqs + 1,)): x (1, total, D); the layer passes no z.
+  m.def("scan_fwd_packed(Tensor delta, Tensor bc, Tensor x, Tensor? z, Tensor A_log, Tensor b_delta, Tensor D, "
+        "Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool training) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("scan_bwd_packed(Tensor delta, Tensor bc, Tensor x, Tensor A_log, Tensor b_delta, Tensor D, Tensor? h0, "
+        "Tensor dy, Tensor? dhT, Tensor ckpt, Tensor cu_seqlens) -> Tensor[]");
   // Test hook: NaN-fill the outputs before every launch (off by default).
   m.def("set_poison_outputs(bool enable) -> ()", &selscan::set_poison_outputs);
 }
@@ -332,6 +437,8 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("unfused_bwd", &selscan::unfused_bwd);
   m.impl("gated_scan_fwd", &selscan::gated_scan_fwd);
   m.impl("scan_bwd", &selscan::scan_bwd);
+  m.impl("scan_fwd_packed", &selscan::scan_fwd_packed);
+  m.impl("scan_bwd_packed", &selscan::scan_bwd_packed);
 }
 
 // CPU tensors reach the same functions so that the error says what to do instead of "no CPU kernel".
@@ -343,4 +450,6 @@ TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("unfused_bwd", &selscan::unfused_bwd);
   m.impl("gated_scan_fwd", &selscan::gated_scan_fwd);
   m.impl("scan_bwd", &selscan::scan_bwd);
+  m.impl("scan_fwd_packed", &selscan::scan_fwd_packed);
+  m.impl("scan_bwd_packed", &selscan::scan_bwd_packed);
 }

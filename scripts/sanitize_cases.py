@@ -3,7 +3,8 @@
 over a grid that has L = 1, odd L, batch 1, the L split (automatic and forced), the fused kernel's
 narrow (16) and wide (64) channel tiles, every N and every dtype / float32 precision; then the Mamba
 block on both paths (BLOCK_GRID: its conv, gate and scan kernels, forward and backward) with three
-decode steps each (the decode kernels, the fused add + RMSNorm). Small sizes: the
+decode steps each (the decode kernels, the fused add + RMSNorm), and packed sequences on the unfused
+path (PACKED_LENGTHS: the scan and conv kernels' packed policies). Small sizes: the
 tools slow every launch down by orders of magnitude. Checks each result against the float64 evaluation
 too (a tool can change timing, never results).
 
@@ -127,6 +128,49 @@ def _block_case(impl, dt, batch, L, Dm, N, W, seed):
     return err, ok
 
 
+# Packed sequences on the unfused path (the scan and conv kernels' packed policies), forward + backward:
+# lengths with an empty sequence, sequences shorter than the conv window, starts on and inside chunks.
+PACKED_LENGTHS = [1, 0, 70, 2, 64, 300, 0, 5]
+
+
+def _packed_case(dt, seed):
+    """The packed layer and block (impl='unfused') against their references, sequence by sequence; (worst rel
+    err against float64, ok: every gradient finite)."""
+    from selscan_fused.block_reference import mamba_block_ref
+    torch.manual_seed(seed)
+    cu = torch.tensor([0] + torch.tensor(PACKED_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    T, S = sum(PACKED_LENGTHS), len(PACKED_LENGTHS)
+    inp = make_inputs(1, T, 64, 16, dtype=dt, device="cuda")
+    h0 = torch.randn(S, 64, 16, device="cuda")
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items() if v is not None}
+    y, h = selscan_fused.selective_scan(leaves["x"], leaves["A_log"], leaves["W_delta"], leaves["b_delta"],
+                                        leaves["W_B"], leaves["W_C"], leaves["D"], h0=h0, cu_seqlens=cu,
+                                        impl="unfused", return_final_state=True)
+    (y.float().sum() + h.sum()).backward()
+    ok = all(bool(torch.isfinite(t.grad).all()) for t in leaves.values())
+    ref = selscan_fused.selective_scan(*(inp[k].double() for k in ("x", "A_log", "W_delta", "b_delta", "W_B", "W_C",
+                                                                   "D")), h0=h0.double(), cu_seqlens=cu,
+                                       impl="reference")
+    err = rel_l2(y.detach(), ref)
+    block = selscan_fused.Mamba(32, d_state=16, impl="unfused", device="cuda")
+    w = [None if t is None else t.detach() for t in block.weights()]
+    low = {0, 1, 4, 5, 9, 10}
+    w = [None if t is None else (t.to(dt) if i in low else t).requires_grad_(True) for i, t in enumerate(w)]
+    xb = torch.randn(1, T, 32, device="cuda").to(dt).requires_grad_(True)
+    out = selscan_fused.mamba_block(xb, *w, cu_seqlens=cu, impl="unfused")
+    out.float().sum().backward()
+    ok = ok and bool(torch.isfinite(xb.grad).all()) and all(bool(torch.isfinite(t.grad).all()) for t in w
+                                                              if t is not None)
+    w64 = [None if t is None else t.detach().double() for t in w]
+    pieces, a = [], 0
+    for n in PACKED_LENGTHS:
+        if n:
+            pieces.append(mamba_block_ref(xb.detach()[:, a:a + n].double(), *w64)[0])
+        a += n
+    err = max(err, rel_l2(out.detach(), torch.cat(pieces, 1)))
+    return err, ok
+
+
 def _runs(args, impls):
     """(impl, mode, dtype, precision, batch, L, D, N, config, grid index) of every run the arguments select."""
     k, m = (int(v) for v in args.shard.split("/"))
@@ -231,6 +275,19 @@ def main():
                   f"{'ok' if ok else 'WRONG'}", flush=True)
             if not ok:
                 sys.exit(f"wrong result: block {impl} {mode} {batch}x{L}x{Dm}x{N} d_conv {W}")
+            runs += 1
+            worst = max(worst, err / BLOCK_TOLERANCE[mode])
+        for mi, (mode, (dt, prec)) in enumerate(MODES.items()):  # packed sequences, the unfused path
+            if (args.quick and mi % 3) or (args.rest and not mi % 3) or int(args.shard.split("/")[0]) != 0:
+                continue
+            torch.set_float32_matmul_precision(prec)
+            err, ok = _packed_case(dt, 5000 + mi)
+            torch.cuda.synchronize()
+            ok = ok and err < BLOCK_TOLERANCE[mode]
+            print(f"packed unfused  {mode:16s} lengths {PACKED_LENGTHS}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
+                  flush=True)
+            if not ok:
+                sys.exit(f"wrong result: packed unfused {mode}")
             runs += 1
             worst = max(worst, err / BLOCK_TOLERANCE[mode])
     torch.set_float32_matmul_precision("highest")

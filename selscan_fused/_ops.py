@@ -201,6 +201,65 @@ if extension_available():
                                     setup_context=_gated_scan_setup)
 
 
+def _packed_setup(ctx, inputs, output):
+    """scan_fwd_packed: keep what scan_bwd_packed (and the gate's derivative) needs."""
+    delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, _, training = inputs
+    _, _, ckpt, yu = output
+    ctx.training = training
+    ctx.save_for_backward(delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt, yu)
+    ctx.set_materialize_grads(False)
+
+
+def _packed_backward(ctx, dy, dhT, *unused):
+    """Packed sequences: the gate's derivative (the block), then the backward scan kernel over the
+    sequences (scan_bwd_packed); delta_pre's, B's and C's gradients go back through the caller's products."""
+    if not ctx.training:
+        raise RuntimeError("selscan_fused: scan_fwd_packed was called with training=False and keeps nothing for "
+                           "a backward; call it with training=True (selscan_fused's packed paths do)")
+    delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt, yu = ctx.saved_tensors
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    dz = None
+    if dy is None:
+        dyx = torch.zeros_like(x)
+        dz = torch.zeros_like(z) if z is not None else None
+    else:
+        dy = dy.to(x.dtype)
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        if z is not None:
+            dyx, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)
+        else:
+            dyx = dy
+    dP, dx, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd_packed(delta, bc, x, A_log, b_delta, D, h0, dyx,
+                                                                          dhT, ckpt, cu_seqlens)
+    Dm = x.shape[-1]
+    return (dP[..., :Dm], dP[..., Dm:], dx, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
+
+
+if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed"):
+
+    @torch.library.register_fake("selscan_fused::scan_fwd_packed")
+    def _scan_fwd_packed_fake(delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, return_final_state, training):
+        _, T, Dm = x.shape
+        N = A_log.shape[1]
+        S = cu_seqlens.shape[0] - 1
+        f32 = dict(dtype=torch.float32)
+        h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
+        ckpt = x.new_empty((1 if training else 0, T // CKPT_EVERY + S, Dm, N), **f32)
+        yu = x.new_empty((1 if (training and z is not None) else 0, T, Dm))
+        return x.new_empty(x.shape), h, ckpt, yu
+
+    @torch.library.register_fake("selscan_fused::scan_bwd_packed")
+    def _scan_bwd_packed_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, cu_seqlens):
+        _, T, Dm = x.shape
+        N = A_log.shape[1]
+        S = cu_seqlens.shape[0] - 1
+        return [x.new_empty((1, T, Dm + 2 * N)), x.new_empty(x.shape), torch.empty_like(A_log),
+                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((S, Dm, N), dtype=torch.float32)]
+
+    torch.library.register_autograd("selscan_fused::scan_fwd_packed", _packed_backward, setup_context=_packed_setup)
+
+
 def _fused_block_setup(ctx, inputs, output):
     """fused_block_fwd: keep what the backward needs (x_proj's output, not delta: it is recomputed)."""
     u, xdbl, z, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs

@@ -6,11 +6,13 @@ import dataclasses
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
 from ._extension import extension_available, fused_extension_available, require_extension
 from .reference import selective_scan_ref
-from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, run_per_sequence
+from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
+                     packed_batch_error, run_per_sequence)
 
 IMPLS = ("auto", "fused", "unfused", "reference")
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -348,8 +350,11 @@ def selective_scan(
     tokens of num_seqs sequences packed as (1, total_tokens, D); the state restarts at every sequence
     start (from h0[s] when h0, (num_seqs, D, N), is given) and final_state is (num_seqs, D, N): each
     sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
-    (one synchronisation); validate=False trusts them. impl='reference' only in this version (an error
-    for 'unfused' and 'fused'; 'auto' runs the reference with a warning for CUDA tensors).
+    (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
+    row: a bad value gives wrong sequences, never an access outside the tensors). Paths: 'unfused' (the
+    library product, then the scan kernel with one work item per sequence and channel tile, its
+    backward likewise; v0.3.0 development, not yet measured) and 'reference'; 'fused' is an error; 'auto'
+    runs the reference with a warning for CUDA tensors until the packed kernels are measured.
 
     Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
     in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
@@ -392,10 +397,11 @@ def selective_scan(
     else:
         chosen = resolve_impl(impl, x, N, train)
     if cu_seqlens is not None and chosen != "reference":
-        if impl != "auto":
+        if impl == "auto":
+            chosen = "reference"
+            warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
+        elif chosen != "unfused":
             raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
-        chosen = "reference"
-        warnings.warn(f"selscan_fused: {CUDA_VARLEN_MESSAGE}; impl='auto' runs the slow reference")
     elif impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
@@ -429,6 +435,17 @@ def selective_scan(
         raise ValueError(f"selscan_fused: ScanConfig({', '.join(names)}) applies to impl='fused' only; "
                          f"this call runs impl={chosen!r}")
     require_extension(chosen)
+    if cu_seqlens is not None:  # packed: the library product, then the scan kernel over the sequences
+        if cfg is not DEFAULT_CONFIG and cfg.l_segments:
+            raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their "
+                             "scan is never split along L)")
+        with torch.autocast("cuda", enabled=False):
+            proj = F.linear(x, torch.cat([W_delta, W_B, W_C], 0))
+            Dm = x.shape[-1]
+            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(proj[..., :Dm], proj[..., Dm:], x, None, A_log,
+                                                                 b_delta, D, h0, cu_seqlens, return_final_state,
+                                                                 train)
+        return (y, h) if return_final_state else y
     if train:
         if chosen == "fused":
             y, h, _ = torch.ops.selscan_fused.fused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,

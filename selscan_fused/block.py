@@ -34,8 +34,9 @@ from ._extension import fused_extension_available
 from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS,
                   UNFUSED_DIM_MULTIPLE, ScanConfig, _sm90, cuda_input_reason, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
-from .conv import causal_conv1d
-from .varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence, packed_batch_error, run_per_sequence
+from .conv import causal_conv1d, causal_conv1d_packed
+from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
+                     packed_batch_error, run_per_sequence)
 
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
 
@@ -202,8 +203,10 @@ def mamba_block(
     conv window restart at every sequence start (from h0[s], (num_seqs, d_inner, N), and conv_state[s],
     (num_seqs, d_inner, d_conv - 1), when given) and the final states are per sequence: each
     sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
-    (one synchronisation); validate=False trusts them. impl='reference' only in this version (an error
-    for 'unfused'; 'auto' runs the reference with a warning for CUDA tensors).
+    (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
+    row). Paths: 'unfused' (the conv kernel's and the scan kernel's packed policies: a run or a work item
+    never crosses a sequence start; v0.3.0 development, not yet measured) and 'reference'; 'fused' is an
+    error; 'auto' runs the reference with a warning for CUDA tensors until the packed kernels are measured.
     """
     packed = cu_seqlens is not None
     d_model, d_inner, N, R, W = _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
@@ -226,11 +229,11 @@ def mamba_block(
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
     if packed and impl == "auto" and x.is_cuda:
-        warnings.warn(f"selscan_fused: {CUDA_VARLEN_MESSAGE}; impl='auto' runs the slow reference")
+        warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
         chosen = "reference"
     else:
         chosen = resolve_block_impl(impl, x, d_inner, N, W)
-    if packed and chosen != "reference":
+    if packed and chosen not in ("reference", "unfused"):
         raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()
     if chosen == "reference":
@@ -249,14 +252,22 @@ def mamba_block(
     if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":
         raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "
                          "apply to the layer's fused kernel; the Mamba block takes l_segments only")
+    if packed and cfg.l_segments:
+        raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their scan "
+                         "is never split along L)")
     require_extension(chosen)
     xdt = x.dtype
     f32 = torch.float32
     with torch.autocast("cuda", enabled=False):
         xz = F.linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))          # (batch, L, 2 d_inner)
         xi, z = xz.split(d_inner, dim=-1)  # one concatenation in the backward (slices would add two full zeros)
-        u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
-                                  _as(conv_state, xdt), activation=True, return_final_state=True)
+        if packed:  # the window restarts at every sequence start; conv_state and conv_T per sequence
+            u, conv_T = causal_conv1d_packed(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
+                                             _as(conv_state, xdt), cu_seqlens, activation=True,
+                                             return_final_state=True)
+        else:
+            u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
+                                      _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = F.linear(u, _as(x_proj_weight, xdt))                                  # (batch, L, R + 2N)
         # delta_pre, no bias (the fused kernel makes it itself)
         delta = None if chosen == "fused" else F.linear(xdbl[..., :R], _as(dt_proj_weight, xdt))
@@ -264,7 +275,10 @@ def mamba_block(
         # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
         train = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0, dt_proj_weight))
-        if chosen == "fused":  # delta made on the tensor cores inside the scan's launch
+        if packed:  # the scan kernel with one work item per (sequence, channel tile)
+            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(
+                delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, cu_seqlens, return_final_state, train)
+        elif chosen == "fused":  # delta made on the tensor cores inside the scan's launch
             y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(
                 u, xdbl, z, _as(dt_proj_weight, xdt), A_log, dt_bias, D, h0, return_final_state, train,
                 cfg.l_segments)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ._extension import extension_available, extension_error_message
 
-__all__ = ["causal_conv1d_ref", "causal_conv1d", "conv_op_available"]
+__all__ = ["causal_conv1d_ref", "causal_conv1d", "causal_conv1d_packed", "conv_op_available"]
 
 
 def _weight_2d(weight: torch.Tensor, C: int) -> torch.Tensor:
@@ -95,6 +95,45 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return (out, final_state) if return_final_state else out
 
 
+def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor, activation: bool = True,
+                         return_final_state: bool = False):
+    """Packed sequences (selscan_fused.varlen): x (1, total_tokens, C) holds num_seqs sequences, rows
+    [cu_seqlens[s], cu_seqlens[s + 1]); the window restarts at every sequence start from initial_state[s]
+    ((num_seqs, C, W-1), or zeros) and final_state is per sequence: every token's output is bitwise that
+    of its sequence run alone (torch.ops.selscan_fused.causal_conv1d_packed_fwd). Differentiable in x,
+    weight, bias and initial_state. Returns out, or (out, final_state)."""
+    if not conv_op_available() or not hasattr(torch.ops.selscan_fused, "causal_conv1d_packed_fwd"):
+        raise RuntimeError(extension_error_message("unfused").replace("impl='unfused' needs", "causal_conv1d needs"))
+    if x.dim() != 3:
+        raise ValueError(f"causal_conv1d: x must have shape (1, total_tokens, C), got {tuple(x.shape)}")
+    w = _weight_2d(weight, x.shape[2]).float()
+    b = bias.float() if bias is not None else None
+    h = initial_state.float() if initial_state is not None else None
+    out, final_state = torch.ops.selscan_fused.causal_conv1d_packed_fwd(x, w, b, h, cu_seqlens, activation,
+                                                                         return_final_state)
+    return (out, final_state) if return_final_state else out
+
+
+def _setup_packed(ctx, inputs, output):
+    x, weight, bias, initial_state, cu_seqlens, silu, _ = inputs
+    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+    ctx.silu = silu
+    ctx.set_materialize_grads(False)
+
+
+def _backward_packed(ctx, dout, dfinal_state):
+    x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    if dfinal_state is not None and dfinal_state.numel() == 0:  # the final state was not returned
+        dfinal_state = None
+    dx, dweight, dbias, dinit = torch.ops.selscan_fused.causal_conv1d_packed_bwd(
+        x, weight, bias, initial_state, dout, dfinal_state, cu_seqlens, ctx.silu)
+    return (dx, dweight, dbias if bias is not None else None, dinit if initial_state is not None else None,
+            None, None, None)
+
+
 def _setup_fwd(ctx, inputs, output):
     x, weight, bias, initial_state, silu, _ = inputs
     ctx.save_for_backward(x, weight, bias, initial_state)
@@ -135,3 +174,22 @@ if conv_op_available():
                 weight.new_empty((batch, C, weight.shape[1] - 1) if initial_state is not None else (0,), **f32)]
 
     torch.library.register_autograd("selscan_fused::causal_conv1d_fwd", _backward_fwd, setup_context=_setup_fwd)
+
+if conv_op_available() and hasattr(torch.ops.selscan_fused, "causal_conv1d_packed_fwd"):
+
+    @torch.library.register_fake("selscan_fused::causal_conv1d_packed_fwd")
+    def _causal_conv1d_packed_fwd_fake(x, weight, bias, initial_state, cu_seqlens, silu, return_final_state):
+        C, W = x.shape[2], weight.shape[1]
+        fs = x.new_empty((cu_seqlens.shape[0] - 1, C, W - 1)) if return_final_state else x.new_empty((0,))
+        return x.new_empty(x.shape), fs
+
+    @torch.library.register_fake("selscan_fused::causal_conv1d_packed_bwd")
+    def _causal_conv1d_packed_bwd_fake(x, weight, bias, initial_state, dout, dfinal_state, cu_seqlens, silu):
+        C, W = x.shape[2], weight.shape[1]
+        f32 = dict(dtype=torch.float32)
+        return [x.new_empty(x.shape), weight.new_empty((C, W), **f32),
+                weight.new_empty((C,) if bias is not None else (0,), **f32),
+                weight.new_empty((cu_seqlens.shape[0] - 1, C, W - 1) if initial_state is not None else (0,), **f32)]
+
+    torch.library.register_autograd("selscan_fused::causal_conv1d_packed_fwd", _backward_packed,
+                                    setup_context=_setup_packed)

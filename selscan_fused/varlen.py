@@ -97,6 +97,8 @@ def check_per_sequence(name: str, t, shape: tuple, why: str, device: torch.devic
                          "all tensors must be on the same device")
 
 
-CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='reference' in this version; the CUDA "
-                       "paths' kernels, which restart the state at every sequence start, are planned "
-                       "(docs/design.md, 'Packed sequences')")
+CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' (its kernels restart the state at "
+                       "every sequence start) and impl='reference'; impl='fused' does not take it yet")
+AUTO_VARLEN_MESSAGE = ("impl='auto' runs packed sequences (cu_seqlens) on the slow reference in this version: the "
+                       "unfused path's packed kernels (impl='unfused') are not yet measured (docs/design.md, "
+                       "'Packed sequences')")

@@ -171,3 +171,16 @@ def test_inference_throughput_smoke_on_the_cpu(tmp_path):
     assert by[("mamba-ssm", 1)]["status"].startswith("unavailable")
     assert by[("ours-kernel", 1)]["status"].startswith("unavailable")
     assert by[("ours-fused", 1)]["status"].startswith("unavailable")
+
+
+def test_varlen_bench_smoke_on_the_cpu():
+    """The packed-sequence benchmark's rows on the CPU: the mix drawn as documented (log-normal, median
+    1024, clipped to [16, 16384], reproducible), each layout saying why it did not run."""
+    import varlen_bench
+    lengths = varlen_bench.draw_lengths(200, 3)
+    assert lengths == varlen_bench.draw_lengths(200, 3) and min(lengths) >= 16 and max(lengths) <= 16384
+    assert 700 < sorted(lengths)[100] < 1500  # the median
+    rows = varlen_bench.main(["--device", "cpu", "--d-model", "16", "--lengths", "5,9,1", "--reps", "1"])
+    assert [r["layout"] for r in rows] == ["packed", "one", "padded"]
+    assert all(r["status"].startswith("unavailable") and "CUDA" in r["status"] for r in rows)
+    assert [r["tokens"] for r in rows] == [15, 15, 27]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import selscan_fused
 from selscan_fused import Mamba, mamba_block, selective_scan
 from selscan_fused.varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens
-from conftest import TOLERANCE, fresh_seed, make_inputs, rel_l2, requires_cuda
+from conftest import TOLERANCE, fresh_seed, make_inputs, rel_l2, requires_cuda, requires_extension
 
 LAYER_ARGS = ("A_log", "W_delta", "b_delta", "W_B", "W_C", "D")
 
@@ -270,16 +270,20 @@ def test_packed_shapes_named():
 
 
 def test_cuda_paths_name_the_argument():
+    """impl='fused' refuses packed sequences naming the paths that take them; impl='unfused' takes them
+    (on the CPU it says that it needs CUDA tensors)."""
     cu = cu_of([2, 3])
-    for impl in ("unfused", "fused"):
-        with pytest.raises(ValueError) as e:
-            layer_call(torch.randn(1, 5, 8), cu, impl=impl)
-        assert CUDA_VARLEN_MESSAGE in str(e.value)
+    with pytest.raises(ValueError) as e:
+        layer_call(torch.randn(1, 5, 8), cu, impl="fused")
+    assert CUDA_VARLEN_MESSAGE in str(e.value)
+    with pytest.raises(ValueError, match="impl='unfused' needs CUDA tensors"):
+        layer_call(torch.randn(1, 5, 8), cu, impl="unfused")
     block = make_block(dtype=torch.float32)
-    for impl in ("unfused", "fused"):
-        with pytest.raises(ValueError) as e:
-            mamba_block(torch.randn(1, 5, 8), *block.weights(), impl=impl, cu_seqlens=cu)
-        assert CUDA_VARLEN_MESSAGE in str(e.value)
+    with pytest.raises(ValueError) as e:
+        mamba_block(torch.randn(1, 5, 8), *block.weights(), impl="fused", cu_seqlens=cu)
+    assert CUDA_VARLEN_MESSAGE in str(e.value)
+    with pytest.raises(ValueError, match="impl='unfused' needs CUDA tensors"):
+        mamba_block(torch.randn(1, 5, 8), *block.weights(), impl="unfused", cu_seqlens=cu)
 
 
 def test_validate_false_reads_nothing_on_the_host(monkeypatch):
@@ -309,3 +313,192 @@ def test_cuda_auto_runs_the_reference_with_a_warning():
         y = selective_scan(*args, cu_seqlens=cu)
     y_w, _ = packed_layer_walk(*(a.double().cpu() for a in args), cu.cpu())
     assert rel_l2(y.cpu(), y_w) <= TOLERANCE["float32-highest"]
+
+
+# ---- the unfused path's packed kernels (GPU) ----
+
+PACKED_MIX = [1, 7, 0, 1000, 64, 65, 3, 0, 130, 4097, 2]  # starts on and inside the 64-token chunks; empties
+
+
+def _slices(lengths):
+    out, a = [], 0
+    for n in lengths:
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", [False, True])
+def test_packed_scan_kernels_bitwise_equal_each_sequence_alone(dtype, gate, poisoned_outputs):
+    """scan_fwd_packed and scan_bwd_packed against gated_scan_fwd / scan_bwd on each sequence alone: y,
+    y before the gate, the final state, dP (the gradients of delta_pre, B, C), dx and dh0 bitwise, every
+    element written (the outputs were NaN-poisoned); an empty sequence passes its state and its
+    gradient through."""
+    fresh_seed()
+    lengths = PACKED_MIX
+    S, T, Dm, N = len(lengths), sum(lengths), 72, 16
+    f = dict(device="cuda", dtype=dtype)
+    delta = torch.randn(1, T, Dm, **f) - 1
+    xdbl = torch.randn(1, T, 4 + 2 * N, **f)
+    bc = xdbl[..., 4:]
+    u = torch.randn(1, T, Dm, **f)
+    z = torch.randn(1, T, Dm, **f) if gate else None
+    A_log = torch.randn(Dm, N, device="cuda")
+    b = torch.randn(Dm, device="cuda") * 0.5
+    D = torch.randn(Dm, device="cuda")
+    h0 = torch.randn(S, Dm, N, device="cuda")
+    cu = cu_of(lengths, "cuda")
+    ops = torch.ops.selscan_fused
+    y, hT, ckpt, yu = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, h0, cu, True, True)
+    dy = torch.randn(1, T, Dm, **f)
+    dhT = torch.randn(S, Dm, N, device="cuda")
+    dP, dx, dA, db, dD, dh0 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, cu)
+    for t in (y, hT, dP, dx, dh0):
+        assert torch.isfinite(t).all()
+    for s, (a, e) in enumerate(_slices(lengths)):
+        if a == e:  # empty: the state and its gradient pass through
+            assert torch.equal(hT[s], h0[s]) and torch.equal(dh0[s], dhT[s])
+            continue
+        zz = z[:, a:e] if gate else torch.zeros(1, e - a, Dm, **f)
+        ys, hs, ck, yus = ops.gated_scan_fwd(delta[:, a:e], bc[:, a:e], u[:, a:e], zz, A_log, b, D, h0[s:s + 1],
+                                             True, True, 1)
+        assert torch.equal(hs[0], hT[s]), s
+        if gate:
+            assert torch.equal(ys, y[:, a:e]) and torch.equal(yus, yu[:, a:e]), s
+        else:
+            assert torch.equal(yus, y[:, a:e]), s  # y before the gate is the layer's y
+        g = ops.scan_bwd(delta[:, a:e], bc[:, a:e], u[:, a:e], A_log, b, D, h0[s:s + 1], dy[:, a:e], dhT[s:s + 1],
+                         ck, 1)
+        assert torch.equal(g[0], dP[:, a:e]), s
+        assert torch.equal(g[1], dx[:, a:e]), s
+        assert torch.equal(g[5][0], dh0[s]), s
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_packed_conv_kernels_bitwise_equal_each_sequence_alone(dtype, width, poisoned_outputs):
+    from selscan_fused.conv import causal_conv1d, causal_conv1d_packed
+    fresh_seed()
+    lengths = PACKED_MIX + [2, 1]  # sequences shorter than the window
+    S, T, C = len(lengths), sum(lengths), 96
+    xz = torch.randn(1, T, 2 * C, device="cuda").to(dtype)
+    x = xz[..., :C]  # strided, as the block passes in_proj's output
+    w = torch.randn(C, width, device="cuda") * 0.5
+    bias = torch.randn(C, device="cuda") * 0.1
+    init = torch.randn(S, C, width - 1, device="cuda").to(dtype).float()
+    cu = cu_of(lengths, "cuda")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, bias, init)]
+    out, fs = causal_conv1d_packed(*leaves, cu, activation=True, return_final_state=True)
+    g_out = torch.randn_like(out)
+    g_fs = torch.randn_like(fs)
+    (out.float() * g_out.float()).sum().backward(retain_graph=True)
+    (fs.float() * g_fs.float()).sum().backward()
+    for s, (a, e) in enumerate(_slices(lengths)):
+        ls = [t.detach().clone().requires_grad_(True) for t in (x[:, a:e], w, bias, init[s:s + 1])]
+        if a == e:
+            assert torch.equal(fs[s], init[s].to(dtype)) and torch.equal(leaves[3].grad[s], g_fs[s].float())
+            continue
+        o, f_ = causal_conv1d(*ls, activation=True, return_final_state=True)
+        assert torch.equal(o, out[:, a:e]) and torch.equal(f_[0], fs[s]), s
+        ((o.float() * g_out[:, a:e].float()).sum() + (f_.float() * g_fs[s:s + 1].float()).sum()).backward()
+        assert torch.equal(ls[0].grad, leaves[0].grad[:, a:e]), s
+        assert torch.equal(ls[3].grad[0], leaves[3].grad[s]), s
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_packed_layer_and_block_against_float64(dtype):
+    """The whole packed paths (impl='unfused') against the independent float64 walk: values and every
+    gradient within the dtype's bound."""
+    fresh_seed()
+    lengths = [300, 1, 0, 77, 700, 5]
+    S, T = len(lengths), sum(lengths)
+    cu = cu_of(lengths, "cuda")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    mode = "float32-highest"
+    from conftest import matmul_precision
+    # the layer
+    inp = make_inputs(1, T, 64, 16, device="cuda")
+    inp["x"] = inp["x"].to(dtype)
+    h0 = torch.randn(S, 64, 16, device="cuda")
+    leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
+    hh = h0.clone().requires_grad_(True)
+    with matmul_precision(mode):
+        y, hT = selective_scan(*(leaves[k] for k in ("x",) + LAYER_ARGS), h0=hh, impl="unfused", cu_seqlens=cu,
+                               return_final_state=True)
+        (y.float().square().sum() + hT.square().sum()).backward()
+    l64 = {k: inp[k].detach().double().cpu().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
+    h64 = h0.double().cpu().requires_grad_(True)
+    y64, hT64 = packed_layer_walk(*(l64[k] for k in ("x",) + LAYER_ARGS), cu.cpu(), h64)
+    (y64.square().sum() + hT64.square().sum()).backward()
+    assert rel_l2(y.cpu(), y64) < tol and rel_l2(hT.cpu(), hT64) < tol
+    for k in ("x",) + LAYER_ARGS:
+        assert rel_l2(leaves[k].grad.cpu(), l64[k].grad) < tol * 3, k
+    assert rel_l2(hh.grad.cpu(), h64.grad) < tol * 3
+    # the block
+    block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
+    block.impl = "unfused"
+    xb = torch.randn(1, T, 32, device="cuda").to(dtype).requires_grad_(True)
+    cs = torch.randn(S, 64, 3, device="cuda").to(dtype).requires_grad_(True)
+    hb = torch.randn(S, 64, 16, device="cuda").requires_grad_(True)
+    wts = [p for p in block.weights()]
+    low = {0, 1, 4, 5, 9, 10}
+    wd = [None if t is None else (t.detach().to(dtype) if i in low else t.detach()).requires_grad_(True)
+          for i, t in enumerate(wts)]
+    with matmul_precision(mode):
+        out, hT, cT = mamba_block(xb, *wd, h0=hb, conv_state=cs, return_final_state=True, impl="unfused",
+                                  cu_seqlens=cu)
+        (out.float().square().sum() + hT.square().sum() + cT.float().square().sum()).backward()
+    w64 = [None if t is None else t.detach().double().cpu().requires_grad_(True) for t in wd]
+    x64 = xb.detach().double().cpu().requires_grad_(True)
+    cs64 = cs.detach().double().cpu().requires_grad_(True)
+    hb64 = hb.detach().double().cpu().requires_grad_(True)
+    o64, hT64, cT64 = packed_block_walk(x64, dict(zip(BLOCK_NAMES, w64)), cu.cpu(), hb64, cs64)
+    (o64.square().sum() + hT64.square().sum() + cT64.square().sum()).backward()
+    assert rel_l2(out.cpu(), o64) < tol and rel_l2(hT.cpu(), hT64) < tol and rel_l2(cT.cpu(), cT64) < tol
+    for i, (a, b64) in enumerate(zip(wd, w64)):
+        if a is not None:
+            assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3, BLOCK_NAMES[i]
+    for a, b64 in ((xb, x64), (cs, cs64), (hb, hb64)):
+        assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3
+
+
+@requires_cuda
+@requires_extension
+def test_packed_block_compiles_and_replays_with_new_cu_seqlens():
+    """torch.compile(fullgraph=True) of a packed training step (validate=False: no host read) equals eager,
+    and a CUDA graph captured once replays with new cu_seqlens values (same number of sequences)."""
+    fresh_seed()
+    block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
+    block.impl = "unfused"
+    T = 500
+    x = torch.randn(1, T, 32, device="cuda")
+    cu = cu_of([100, 1, 250, 149], "cuda")
+
+    def loss_fn(xx, cc):
+        return block(xx, cu_seqlens=cc, validate=False).square().mean()
+
+    eager = loss_fn(x, cu)
+    compiled = torch.compile(loss_fn, fullgraph=True)(x, cu)
+    assert rel_l2(compiled, eager) < 1e-5
+    static_cu = cu.clone()
+    with torch.no_grad():
+        loss_fn(x, static_cu)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            loss_fn(x, static_cu)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = block(x, cu_seqlens=static_cu, validate=False)
+        new = cu_of([3, 300, 97, 100], "cuda")
+        static_cu.copy_(new)
+        g.replay()
+        assert torch.equal(out, block(x, cu_seqlens=new))

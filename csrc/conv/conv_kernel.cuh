@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "../common/device_math.cuh"
+#include "../common/seq_map.h"
 #include "conv_params.h"
 
 namespace selscan {
@@ -127,18 +128,48 @@ __device__ __forceinline__ void shift_in(float (&win)[kN][kV], const float (&in)
   for (int v = 0; v < kV; ++v) win[kN - 1][v] = in[v];
 }
 
-template <class T, int kW, int kV>
+// This thread's run: sequence b, its first token t0 (in the sequence), the sequence's length L and first
+// row (b * L for a batch; packed: its start in the row, common/seq_map.h), live when the run holds tokens.
+struct Run {
+  int64_t b, t0, L, row0;
+  bool live;
+};
+
+template <bool kPacked, class P>
+__device__ __forceinline__ Run locate_run(const P& p) {
+  const ConvLaunchShape& sh = p.shape;
+  Run r;
+  if constexpr (kPacked) {
+    const int64_t j = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;  // run slot
+    SeqRange range;
+    int64_t index = 0;
+    r.b = seq_of_slot(p.cu_seqlens, p.num_seqs, p.seqlen, sh.tokens_per_thread, j, &range, &index);
+    r.t0 = index * sh.tokens_per_thread;
+    r.L = range.len;
+    r.row0 = range.start;
+    r.live = index >= 0 && r.t0 < r.L;  // else a slot between sequences' runs
+  } else {
+    r.b = int64_t(blockIdx.x) / sh.token_tiles;
+    r.t0 = (int64_t(blockIdx.x) % sh.token_tiles * blockDim.y + threadIdx.y) * sh.tokens_per_thread;
+    r.L = p.seqlen;
+    r.row0 = r.b * p.seqlen;
+    r.live = r.t0 < r.L;
+  }
+  return r;
+}
+
+template <class T, int kW, int kV, bool kPacked>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const ConvParams p) {
   const ConvLaunchShape& sh = p.shape;
   const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kV;
   if (c0 >= p.dim) return;  // dim % kV == 0 when kV > 1 (conv_fwd_plan): the whole vector is in range
-  const int64_t b = int64_t(blockIdx.x) / sh.token_tiles;
-  const int64_t t0 = (int64_t(blockIdx.x) % sh.token_tiles * blockDim.y + threadIdx.y) * sh.tokens_per_thread;
-  if (t0 >= p.seqlen) return;
-  const int64_t t1 = min64(t0 + sh.tokens_per_thread, p.seqlen);
+  const Run run = locate_run<kPacked>(p);
+  if (!run.live) return;
+  const int64_t b = run.b, t0 = run.t0, L = run.L;
+  const int64_t t1 = min64(t0 + sh.tokens_per_thread, L);
 
-  const T* x = static_cast<const T*>(p.x) + b * p.x_batch_stride + c0;
-  T* out = static_cast<T*>(p.out) + b * p.seqlen * p.dim + c0;
+  const T* x = static_cast<const T*>(p.x) + (kPacked ? run.row0 * p.x_token_stride : b * p.x_batch_stride) + c0;
+  T* out = static_cast<T*>(p.out) + run.row0 * p.dim + c0;
   const float* init = p.initial_state != nullptr ? p.initial_state + (b * p.dim + c0) * (kW - 1) : nullptr;
 
   float w[kW][kV], bs[kV], win[kW - 1][kV];
@@ -174,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const ConvParams p) 
 
   // The run holding the last token: win = xx[L - (W-1) .. L-1] (reaching into initial_state when the
   // run is shorter than W - 1, through its halo).
-  if (p.final_state != nullptr && t1 == p.seqlen) {
+  if (p.final_state != nullptr && t1 == L) {
     T* fs = static_cast<T*>(p.final_state) + (b * p.dim + c0) * (kW - 1);
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
@@ -184,16 +215,15 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const ConvParams p) 
   }
 }
 
-template <class T, int kW, int kV>
+template <class T, int kW, int kV, bool kPacked>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const ConvBwdParams p) {
   constexpr int kCols = kW + 1;  // dweight's kW sums and dbias's
   __shared__ float red[kThreads * kCols * kV];
 
   const ConvLaunchShape& sh = p.shape;
-  const int64_t L = p.seqlen;
   const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kV;
-  const int64_t b = int64_t(blockIdx.x) / sh.token_tiles;
-  const int64_t t0 = (int64_t(blockIdx.x) % sh.token_tiles * blockDim.y + threadIdx.y) * sh.tokens_per_thread;
+  const Run run = locate_run<kPacked>(p);
+  const int64_t b = run.b, t0 = run.t0, L = run.L;
 
   float dw[kCols][kV];  // [k < kW]: sum of dpre * xx[t-W+1+k]; [kW]: sum of dpre
 #pragma unroll
@@ -202,11 +232,12 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const ConvBwdParams 
     for (int v = 0; v < kV; ++v) dw[k][v] = 0.f;
   }
 
-  if (c0 < p.dim && t0 < L) {
+  if (c0 < p.dim && run.live) {
     const int64_t t1 = min64(t0 + sh.tokens_per_thread, L);
-    const T* x = static_cast<const T*>(p.x) + b * p.x_batch_stride + c0;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_batch_stride + c0;
-    T* dx = static_cast<T*>(p.dx) + b * L * p.dim + c0;
+    const T* x = static_cast<const T*>(p.x) + (kPacked ? run.row0 * p.x_token_stride : b * p.x_batch_stride) + c0;
+    const T* dout =
+        static_cast<const T*>(p.dout) + (kPacked ? run.row0 * p.dout_token_stride : b * p.dout_batch_stride) + c0;
+    T* dx = static_cast<T*>(p.dx) + run.row0 * p.dim + c0;
     const int64_t sc = (b * p.dim + c0) * (kW - 1);  // offset of [b, c0, 0] in the (batch, dim, W-1) tensors
     const float* init = p.initial_state != nullptr ? p.initial_state + sc : nullptr;
     const float* dfs = p.dfinal_state != nullptr ? p.dfinal_state + sc : nullptr;
@@ -334,14 +365,33 @@ struct Dispatch {
   static cudaError_t bwd(const ConvBwdParams& p, cudaStream_t stream);
 };
 
+// The run policy (a batch of equal-length sequences, or packed sequences) is a compile-time choice, so
+// that the batch kernels are the ones they were.
+template <class T, int kV, bool kPacked>
+cudaError_t launch_fwd_policy(const ConvParams& p, const dim3 grid, const dim3 block, cudaStream_t stream) {
+  switch (p.width) {
+    case 2: conv_fwd_kernel<T, 2, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
+    case 3: conv_fwd_kernel<T, 3, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
+    case 4: conv_fwd_kernel<T, 4, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 template <class T, int kV>
 cudaError_t launch_fwd(const ConvParams& p, cudaStream_t stream) {
   const dim3 grid(unsigned(p.batch * p.shape.token_tiles), unsigned(p.shape.channel_tiles));
   const dim3 block(unsigned(p.shape.block_c), unsigned(p.shape.block_t));
+  return p.cu_seqlens != nullptr ? launch_fwd_policy<T, kV, true>(p, grid, block, stream)
+                                 : launch_fwd_policy<T, kV, false>(p, grid, block, stream);
+}
+
+template <class T, int kV, bool kPacked>
+cudaError_t launch_bwd_policy(const ConvBwdParams& p, const dim3 grid, const dim3 block, cudaStream_t stream) {
   switch (p.width) {
-    case 2: conv_fwd_kernel<T, 2, kV><<<grid, block, 0, stream>>>(p); break;
-    case 3: conv_fwd_kernel<T, 3, kV><<<grid, block, 0, stream>>>(p); break;
-    case 4: conv_fwd_kernel<T, 4, kV><<<grid, block, 0, stream>>>(p); break;
+    case 2: conv_bwd_kernel<T, 2, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
+    case 3: conv_bwd_kernel<T, 3, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
+    case 4: conv_bwd_kernel<T, 4, kV, kPacked><<<grid, block, 0, stream>>>(p); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -351,13 +401,8 @@ template <class T, int kV>
 cudaError_t launch_bwd(const ConvBwdParams& p, cudaStream_t stream) {
   const dim3 grid(unsigned(p.batch * p.shape.token_tiles), unsigned(p.shape.channel_tiles));
   const dim3 block(unsigned(p.shape.block_c), unsigned(p.shape.block_t));
-  switch (p.width) {
-    case 2: conv_bwd_kernel<T, 2, kV><<<grid, block, 0, stream>>>(p); break;
-    case 3: conv_bwd_kernel<T, 3, kV><<<grid, block, 0, stream>>>(p); break;
-    case 4: conv_bwd_kernel<T, 4, kV><<<grid, block, 0, stream>>>(p); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return p.cu_seqlens != nullptr ? launch_bwd_policy<T, kV, true>(p, grid, block, stream)
+                                 : launch_bwd_policy<T, kV, false>(p, grid, block, stream);
 }
 
 template <class T>

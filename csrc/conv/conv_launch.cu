@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "../common/seq_map.h"
 #include "conv_api.h"
 #include "conv_kernel.cuh"
 
@@ -41,6 +42,13 @@ bool grid_ok(int64_t batch, const ConvLaunchShape& s) {
          s.channel_tiles <= 65535;
 }
 
+// CTAs along the tokens: of one sequence of seqlen tokens, or (packed, num_seqs > 0) of the run slots of
+// num_seqs sequences in one row (common/seq_map.h).
+int64_t token_tiles(int64_t seqlen, int64_t num_seqs, int block_t, int64_t tok) {
+  const int64_t runs = num_seqs > 0 ? packed_slots(seqlen, num_seqs, tok) : ceil_div(seqlen, tok);
+  return ceil_div(runs, block_t);
+}
+
 }  // namespace
 
 cudaError_t conv_fwd_plan(ConvParams* p) {
@@ -63,9 +71,9 @@ cudaError_t conv_fwd_plan(ConvParams* p) {
   int64_t tok = 32;
   while (tok > conv::kGroup && p->batch * lanes * ceil_div(p->seqlen, tok) < (int64_t(1) << 18)) tok /= 2;
   s.tokens_per_thread = tok;
-  s.token_tiles = ceil_div(p->seqlen, int64_t(s.block_t) * tok);
+  s.token_tiles = token_tiles(p->seqlen, p->cu_seqlens != nullptr ? p->num_seqs : 0, s.block_t, tok);
   s.channel_tiles = ceil_div(lanes, s.block_c);
-  if (!grid_ok(p->batch, s)) return cudaErrorInvalidConfiguration;
+  if (!grid_ok(p->batch, s) || (p->cu_seqlens != nullptr && p->batch != 1)) return cudaErrorInvalidConfiguration;
   p->shape = s;
   return cudaSuccess;
 }
@@ -91,9 +99,9 @@ cudaError_t conv_bwd_plan(ConvBwdParams* p) {
   int64_t tok = 64;
   while (tok > 2 * conv::kGroup && p->batch * nominal_lanes * ceil_div(p->seqlen, tok) < (int64_t(1) << 17)) tok /= 2;
   s.tokens_per_thread = tok;
-  s.token_tiles = ceil_div(p->seqlen, int64_t(s.block_t) * tok);
+  s.token_tiles = token_tiles(p->seqlen, p->cu_seqlens != nullptr ? p->num_seqs : 0, s.block_t, tok);
   s.channel_tiles = ceil_div(ceil_div(p->dim, s.vec), s.block_c);
-  if (!grid_ok(p->batch, s)) return cudaErrorInvalidConfiguration;
+  if (!grid_ok(p->batch, s) || (p->cu_seqlens != nullptr && p->batch != 1)) return cudaErrorInvalidConfiguration;
   p->shape = s;
   return cudaSuccess;
 }

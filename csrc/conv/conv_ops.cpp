@@ -71,14 +71,34 @@ at::Tensor channels_unit_stride(const at::Tensor& t) {
   return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_fwd(const at::Tensor& x_in, const at::Tensor& weight,
-                                                     const c10::optional<at::Tensor>& bias,
-                                                     const c10::optional<at::Tensor>& initial_state, bool silu,
-                                                     bool return_final_state) {
-  const ConvDims d = check_conv_args(x_in, weight, bias, initial_state);
+// Packed sequences (common/seq_map.h): x (1, total, C); cu_seqlens' metadata and the per-sequence
+// initial state (num_seqs, C, W-1) float32. Returns num_seqs.
+int64_t check_packed_conv(const at::Tensor& x, const ConvDims& d, const at::Tensor& cu,
+                          const c10::optional<at::Tensor>& initial_state) {
+  TORCH_CHECK(d.batch == 1, "selscan_fused: causal_conv1d: packed sequences take x of shape (1, total_tokens, C), "
+              "got ", x.sizes());
+  TORCH_CHECK(cu.device() == x.device(), "selscan_fused: cu_seqlens is on ", cu.device(), " but x is on ", x.device());
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "selscan_fused: cu_seqlens must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "selscan_fused: cu_seqlens must have shape (num_seqs + 1,) with "
+              "num_seqs >= 1, got ", cu.sizes());
+  const int64_t S = cu.size(0) - 1;
+  if (initial_state) {
+    check_tensor(*initial_state, "initial_state (causal_conv1d)", x, {S, d.C, d.W - 1}, at::kFloat,
+                 " (one per sequence: num_seqs from cu_seqlens, C from x's last dimension, W - 1 from weight)");
+  }
+  return S;
+}
+
+// The forward of both ops: a batch of equal-length sequences (cu null), or packed sequences.
+std::tuple<at::Tensor, at::Tensor> conv_fwd_impl(const at::Tensor& x_in, const at::Tensor& weight,
+                                                 const c10::optional<at::Tensor>& bias,
+                                                 const c10::optional<at::Tensor>& initial_state, bool silu,
+                                                 bool return_final_state, const at::Tensor* cu) {
+  const ConvDims d = check_conv_args(x_in, weight, bias, cu != nullptr ? c10::nullopt : initial_state);
+  const int64_t S = cu != nullptr ? check_packed_conv(x_in, d, *cu, initial_state) : d.batch;  // states' rows
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor out = at::empty({d.batch, d.L, d.C}, x_in.options());
-  at::Tensor fs = return_final_state ? at::empty({d.batch, d.C, d.W - 1}, x_in.options())
+  at::Tensor fs = return_final_state ? at::empty({S, d.C, d.W - 1}, x_in.options())
                                      : at::empty({0}, x_in.options());
   if (x_in.numel() == 0) {  // nothing to launch; with L = 0 the final state is the initial state
     if (fs.numel() > 0) {
@@ -93,11 +113,17 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_fwd(const at::Tensor& x_in, con
   if (bias) b = bias->contiguous();
   if (initial_state) init = initial_state->contiguous();
   poison(out);
-  poison(fs);
+  if (cu != nullptr && fs.numel() > 0) {  // an empty sequence's final state is its initial state (no run)
+    if (initial_state) fs.copy_(*initial_state);
+    else fs.zero_();
+  } else {
+    poison(fs);
+  }
 
   ConvParams p;
   p.batch = d.batch; p.seqlen = d.L; p.dim = d.C; p.width = int(d.W);
   p.dtype = conv_dtype(x); p.silu = silu;
+  if (cu != nullptr) { p.cu_seqlens = cu->data_ptr<int32_t>(); p.num_seqs = S; }
   p.x = x.data_ptr(); p.x_batch_stride = x.stride(0); p.x_token_stride = x.stride(1);
   p.weight = w.data_ptr<float>();
   p.bias = bias ? b.data_ptr<float>() : nullptr;
@@ -109,25 +135,43 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_fwd(const at::Tensor& x_in, con
   return {out, fs};
 }
 
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_fwd(const at::Tensor& x_in, const at::Tensor& weight,
+                                                     const c10::optional<at::Tensor>& bias,
+                                                     const c10::optional<at::Tensor>& initial_state, bool silu,
+                                                     bool return_final_state) {
+  return conv_fwd_impl(x_in, weight, bias, initial_state, silu, return_final_state, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_packed_fwd(const at::Tensor& x_in, const at::Tensor& weight,
+                                                            const c10::optional<at::Tensor>& bias,
+                                                            const c10::optional<at::Tensor>& initial_state,
+                                                            const at::Tensor& cu_seqlens, bool silu,
+                                                            bool return_final_state) {
+  const at::Tensor cu = cu_seqlens.contiguous();
+  return conv_fwd_impl(x_in, weight, bias, initial_state, silu, return_final_state, &cu);
+}
+
 // Returns (dx, dweight, dbias or (0,), dinitial_state or (0,)): dx in x's dtype, the rest float32.
-std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x_in, const at::Tensor& weight,
-                                          const c10::optional<at::Tensor>& bias,
-                                          const c10::optional<at::Tensor>& initial_state, const at::Tensor& dout_in,
-                                          const c10::optional<at::Tensor>& dfinal_state, bool silu) {
-  const ConvDims d = check_conv_args(x_in, weight, bias, initial_state);
+std::vector<at::Tensor> conv_bwd_impl(const at::Tensor& x_in, const at::Tensor& weight,
+                                      const c10::optional<at::Tensor>& bias,
+                                      const c10::optional<at::Tensor>& initial_state, const at::Tensor& dout_in,
+                                      const c10::optional<at::Tensor>& dfinal_state, bool silu, const at::Tensor* cu) {
+  const ConvDims d = check_conv_args(x_in, weight, bias, cu != nullptr ? c10::nullopt : initial_state);
+  const int64_t S = cu != nullptr ? check_packed_conv(x_in, d, *cu, initial_state) : d.batch;  // states' rows
   check_tensor(dout_in, "dout (the gradient of causal_conv1d's out)", x_in, x_in.sizes(), c10::nullopt);
   TORCH_CHECK(dout_in.is_floating_point(), "selscan_fused: causal_conv1d: dout must be floating-point, got ",
               dout_in.scalar_type());
   if (dfinal_state) {
     check_tensor(*dfinal_state, "dfinal_state (the gradient of causal_conv1d's final_state)", x_in,
-                 {d.batch, d.C, d.W - 1}, c10::nullopt, " (batch from x, C from x's last dimension, W - 1 from weight)");
+                 {S, d.C, d.W - 1}, c10::nullopt,
+                 " (batch (num_seqs when packed) from x, C from x's last dimension, W - 1 from weight)");
     TORCH_CHECK(dfinal_state->is_floating_point(),
                 "selscan_fused: causal_conv1d: dfinal_state must be floating-point, got ", dfinal_state->scalar_type());
   }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto fopt = x_in.options().dtype(at::kFloat);
   at::Tensor dx = at::empty({d.batch, d.L, d.C}, x_in.options());
-  at::Tensor dinit = initial_state ? at::empty({d.batch, d.C, d.W - 1}, fopt) : at::empty({0}, fopt);
+  at::Tensor dinit = initial_state ? at::empty({S, d.C, d.W - 1}, fopt) : at::empty({0}, fopt);
   if (x_in.numel() == 0) {  // no token (or no channel, or no sequence): only dfinal_state can reach dinit
     at::Tensor dbias = bias ? at::zeros({d.C}, fopt) : at::empty({0}, fopt);
     if (dinit.numel() > 0) {
@@ -155,10 +199,16 @@ std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x_in, const at::Tens
   p.dfinal_state = dfinal_state ? dfs.data_ptr<float>() : nullptr;
   p.dx = dx.data_ptr();
   p.dinitial_state = initial_state ? dinit.data_ptr<float>() : nullptr;
+  if (cu != nullptr) { p.cu_seqlens = cu->data_ptr<int32_t>(); p.num_seqs = S; }
   SELSCAN_CUDA_OK(conv_bwd_plan(&p), "planning the causal_conv1d backward");
   at::Tensor partial = at::empty({conv_bwd_partial_rows(p), d.W + 1, d.C}, fopt);
   poison(dx);
-  poison(dinit);
+  if (cu != nullptr && dinit.numel() > 0) {  // an empty sequence's: its dfinal_state (no run writes it)
+    if (dfinal_state) dinit.copy_(*dfinal_state);
+    else dinit.zero_();
+  } else {
+    poison(dinit);
+  }
   poison(partial);
   p.partial = partial.data_ptr<float>();
   SELSCAN_CUDA_OK(conv_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
@@ -168,6 +218,22 @@ std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x_in, const at::Tens
   at::Tensor dweight = partial.narrow(1, 0, d.W).sum(0).t().contiguous();  // (C, W)
   at::Tensor dbias = bias ? partial.select(1, d.W).sum(0) : at::empty({0}, fopt);
   return {dx, dweight, dbias, dinit};
+}
+
+std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x_in, const at::Tensor& weight,
+                                          const c10::optional<at::Tensor>& bias,
+                                          const c10::optional<at::Tensor>& initial_state, const at::Tensor& dout_in,
+                                          const c10::optional<at::Tensor>& dfinal_state, bool silu) {
+  return conv_bwd_impl(x_in, weight, bias, initial_state, dout_in, dfinal_state, silu, nullptr);
+}
+
+std::vector<at::Tensor> causal_conv1d_packed_bwd(const at::Tensor& x_in, const at::Tensor& weight,
+                                                 const c10::optional<at::Tensor>& bias,
+                                                 const c10::optional<at::Tensor>& initial_state,
+                                                 const at::Tensor& dout_in, const c10::optional<at::Tensor>& dfinal_state,
+                                                 const at::Tensor& cu_seqlens, bool silu) {
+  const at::Tensor cu = cu_seqlens.contiguous();
+  return conv_bwd_impl(x_in, weight, bias, initial_state, dout_in, dfinal_state, silu, &cu);
 }
 
 void conv_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
@@ -184,6 +250,12 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   // but dx.
   m.def("causal_conv1d_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor? initial_state, Tensor dout, "
         "Tensor? dfinal_state, bool silu) -> Tensor[]");
+  // Packed sequences (cu_seqlens int32 (num_seqs + 1,), x (1, total, C)): the window restarts at every
+  // sequence start; initial_state, final_state and their gradients are (num_seqs, C, W-1).
+  m.def("causal_conv1d_packed_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? initial_state, Tensor cu_seqlens, "
+        "bool silu, bool return_final_state) -> (Tensor, Tensor)");
+  m.def("causal_conv1d_packed_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor? initial_state, Tensor dout, "
+        "Tensor? dfinal_state, Tensor cu_seqlens, bool silu) -> Tensor[]");
   // Test hook: NaN-fill the conv ops' outputs before every launch (off by default).
   m.def("conv_set_poison_outputs(bool enable) -> ()", &selscan::conv_set_poison_outputs);
 }
@@ -191,10 +263,14 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("causal_conv1d_fwd", &selscan::causal_conv1d_fwd);
   m.impl("causal_conv1d_bwd", &selscan::causal_conv1d_bwd);
+  m.impl("causal_conv1d_packed_fwd", &selscan::causal_conv1d_packed_fwd);
+  m.impl("causal_conv1d_packed_bwd", &selscan::causal_conv1d_packed_bwd);
 }
 
 // CPU tensors reach the same functions so that the error says what to do instead of "no CPU kernel".
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("causal_conv1d_fwd", &selscan::causal_conv1d_fwd);
   m.impl("causal_conv1d_bwd", &selscan::causal_conv1d_bwd);
+  m.impl("causal_conv1d_packed_fwd", &selscan::causal_conv1d_packed_fwd);
+  m.impl("causal_conv1d_packed_bwd", &selscan::causal_conv1d_packed_bwd);
 }

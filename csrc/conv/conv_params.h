@@ -50,6 +50,16 @@ struct ConvParams {
   void* __restrict__ out = nullptr;          // (batch, seqlen, dim) contiguous, dtype
   void* __restrict__ final_state = nullptr;  // (batch, dim, width-1) contiguous, dtype, or null when not asked
 
+  // Packed sequences (common/seq_map.h): with cu_seqlens, batch is 1 and x / out one row of seqlen
+  // tokens holding num_seqs sequences, rows [cu_seqlens[s], cu_seqlens[s + 1]); the window restarts at
+  // every start from initial_state[s] (or zeros), final_state[s] is sequence s's (initial_state and
+  // final_state are (num_seqs, dim, width-1)). A run never crosses a sequence start: run slot j of
+  // packed_slots(seqlen, num_seqs, tokens_per_thread) belongs to the sequence seq_of_slot gives, so that
+  // every token's result is bitwise the one of its sequence alone. An empty sequence has no run: the
+  // caller fills its final state (its initial state) before the launch.
+  const int32_t* __restrict__ cu_seqlens = nullptr;
+  int64_t num_seqs = 0;
+
   ConvLaunchShape shape;  // from conv_fwd_plan
 };
 
@@ -87,6 +97,11 @@ struct ConvBwdParams {
   // dpre * xx[t-W+1+k] (k < width) and of dpre (k = width) over the CTA's tokens. Every element is
   // written by exactly one CTA (no initialisation needed).
   float* __restrict__ partial = nullptr;
+
+  // Packed sequences: as ConvParams (dinitial_state and dfinal_state per sequence; the caller fills an
+  // empty sequence's dinitial_state, its dfinal_state, before the launch).
+  const int32_t* __restrict__ cu_seqlens = nullptr;
+  int64_t num_seqs = 0;
 
   ConvLaunchShape shape;  // from conv_bwd_plan
 };

@@ -46,6 +46,7 @@
 #include "../common/device_math.cuh"
 #include "../common/launch.cuh"
 #include "../common/l_split.h"
+#include "../common/seq_map.h"
 #include "scan_bwd_params.h"
 
 namespace selscan {
@@ -122,6 +123,8 @@ struct Item {
   int64_t seg, b, tile;
   int64_t t_begin, t_end;  // token range inside the sequence
   int64_t d0;              // first channel of the tile
+  int64_t row0;            // the sequence's first row (b * seqlen, or its start when packed)
+  int64_t ckpt0;           // the sequence's first checkpoint slot
 };
 
 template <class Tr>
@@ -131,9 +134,19 @@ __device__ __forceinline__ Item decode_item(const ScanBwdParams& p, int64_t item
   it.tile = item % n_tiles;
   it.b = (item / n_tiles) % p.batch;
   it.seg = item / (n_tiles * p.batch);
-  it.t_begin = it.seg * p.seg_len;
-  it.t_end = min_i64(p.seqlen, it.t_begin + p.seg_len);
   it.d0 = it.tile * Tr::kDc;
+  if (p.cu_seqlens != nullptr) {  // packed: the whole sequence, never split (scan_bwd_params.h)
+    const SeqRange r = seq_range(p.cu_seqlens, it.b, p.seqlen);
+    it.t_begin = 0;
+    it.t_end = r.len;
+    it.row0 = r.start;
+    it.ckpt0 = seq_first_slot(r.start, it.b, kCkptEvery);
+  } else {
+    it.t_begin = it.seg * p.seg_len;
+    it.t_end = min_i64(p.seqlen, it.t_begin + p.seg_len);
+    it.row0 = it.b * p.seqlen;
+    it.ckpt0 = it.b * ckpt_count(p.seqlen);
+  }
   return it;
 }
 
@@ -273,10 +286,9 @@ __device__ __forceinline__ void backward_chunk(SharedStorage<Tr>& s, const ScanB
   // (F) the forward states from the checkpoint; the start state of every sub-chunk to shared memory.
   {
     float h[kNS];
-    const int64_t n_ck = ckpt_count(p.seqlen);
 #pragma unroll
     for (int n = 0; n < kNS; ++n)
-      h[n] = valid_d ? p.ckpt[((it.b * n_ck + q) * p.dim + d) * kN + n0 + n] : 0.f;
+      h[n] = valid_d ? p.ckpt[((it.ckpt0 + q) * p.dim + d) * kN + n0 + n] : 0.f;
     for (int sc = 0; sc < n_sub; ++sc) {
 #pragma unroll
       for (int n = 0; n < kNS; ++n) s.sub[sc][n][tid] = h[n];
@@ -430,8 +442,9 @@ __device__ __forceinline__ void load_item_params(SharedStorage<Tr>& s, const Sca
 template <class Tr, bool kFull>
 __device__ __forceinline__ void run_item(SharedStorage<Tr>& s, const ScanBwdParams& p, const Item& it,
                                          ItemState<Tr>& st) {
-  const int64_t row_base = it.b * p.seqlen;
+  const int64_t row_base = it.row0;
   const int64_t n_chunks = (it.t_end - it.t_begin + Tr::kT - 1) / Tr::kT;
+  if (n_chunks == 0) return;  // an empty packed sequence: the adjoint passes through (dh0 = dhT)
   auto chunk_t0 = [&](int64_t k) { return it.t_begin + k * Tr::kT; };
   auto chunk_n = [&](int64_t k) { return int(min_i64(Tr::kT, it.t_end - chunk_t0(k))); };
   load_chunk<Tr, kFull>(s.raw, p, row_base + chunk_t0(n_chunks - 1), chunk_n(n_chunks - 1), it.d0);

@@ -48,6 +48,10 @@ struct ScanBwdParams {
   int64_t n_segments = 1;
   int64_t seg_len = 0;                   // a multiple of kCkptEvery
   float* __restrict__ workspace = nullptr;  // split_workspace_floats(batch, dim, N, n_segments) floats
+
+  // Packed sequences: as ScanParams::cu_seqlens (batch sequences in one row of seqlen tokens; dhT, dh0
+  // per sequence; the checkpoints in the forward's slots); n_segments == 1.
+  const int32_t* __restrict__ cu_seqlens = nullptr;
 };
 
 }  // namespace selscan

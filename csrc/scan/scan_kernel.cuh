@@ -31,6 +31,7 @@
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
 #include "../common/launch.cuh"
+#include "../common/seq_map.h"
 #include "scan_params.h"
 
 namespace selscan {
@@ -83,6 +84,8 @@ struct Item {
   int64_t seg, b, tile;
   int64_t t_begin, t_end;  // token range inside the sequence
   int64_t d0;              // first channel of the tile
+  int64_t row0;            // the sequence's first row (b * seqlen, or its start when packed)
+  int64_t ckpt0;           // the sequence's first checkpoint slot
 };
 
 template <class Tr>
@@ -92,9 +95,19 @@ __device__ __forceinline__ Item<Tr> decode_item(const ScanParams& p, int64_t ite
   it.tile = item % n_tiles;
   it.b = (item / n_tiles) % p.batch;
   it.seg = item / (n_tiles * p.batch);
-  it.t_begin = it.seg * p.seg_len;
-  it.t_end = min_i64(p.seqlen, it.t_begin + p.seg_len);
   it.d0 = it.tile * Tr::kDc;
+  if (p.cu_seqlens != nullptr) {  // packed: the whole sequence, never split
+    const SeqRange r = seq_range(p.cu_seqlens, it.b, p.seqlen);
+    it.t_begin = 0;
+    it.t_end = r.len;
+    it.row0 = r.start;
+    it.ckpt0 = seq_first_slot(r.start, it.b, kCkptEvery);
+  } else {
+    it.t_begin = it.seg * p.seg_len;
+    it.t_end = min_i64(p.seqlen, it.t_begin + p.seg_len);
+    it.row0 = it.b * p.seqlen;
+    it.ckpt0 = it.b * ckpt_count(p.seqlen);
+  }
   return it;
 }
 
@@ -172,7 +185,7 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
   const int c = tid / Tr::kP;
   const int g = tid % Tr::kP;
   const Roles<Tr> ro(p, it.d0);
-  const int64_t row_base = it.b * p.seqlen;
+  const int64_t row_base = it.row0;
   const int64_t n_tok = it.t_end - it.t_begin;
   const int64_t n_chunks = (n_tok + Tr::kT - 1) / Tr::kT;
 
@@ -187,7 +200,7 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
     if (kFull && p.ckpt != nullptr && t0 % kCkptEvery == 0) {  // the state entering token t0, for the backward
       const int64_t d = it.d0 + c;
       if (d < p.dim) {
-        float* ck = p.ckpt + ((it.b * ckpt_count(p.seqlen) + t0 / kCkptEvery) * p.dim + d) * Tr::kN + g * Tr::kNS;
+        float* ck = p.ckpt + ((it.ckpt0 + t0 / kCkptEvery) * p.dim + d) * Tr::kN + g * Tr::kNS;
 #pragma unroll
         for (int n = 0; n < Tr::kNS; ++n) ck[n] = h[n];
       }

@@ -57,6 +57,13 @@ struct ScanParams {
   int64_t n_segments = 1;
   int64_t seg_len = 0;
   float* __restrict__ workspace = nullptr;  // split_workspace_floats(...) floats (common/l_split.h)
+
+  // Packed sequences (common/seq_map.h): with cu_seqlens, batch is the number of sequences and seqlen
+  // the packed length (every tensor above has one row of seqlen tokens); sequence b is the rows
+  // [cu_seqlens[b], cu_seqlens[b + 1]), scanned from h0[b] into final_state[b]; its checkpoints are the
+  // slots from seq_first_slot(start, b, kCkptEvery) of a (packed_slots(seqlen, batch, kCkptEvery), dim,
+  // dstate) tensor. Never split along L (n_segments == 1).
+  const int32_t* __restrict__ cu_seqlens = nullptr;
 };
 
 }  // namespace selscan
