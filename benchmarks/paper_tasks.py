@@ -5,6 +5,7 @@ Mamba-1 block (`selscan_fused.Mamba`): Selective Copying (Table 1) and Induction
     python benchmarks/paper_tasks.py induction-heads                   # train at 256, test 2^6 .. 2^20
     python benchmarks/paper_tasks.py induction-heads --time-invariant  # the ablation: no selection
     python benchmarks/paper_tasks.py induction-heads --impls unfused,reference --steps 300 --out /tmp/ih_cmp
+    python benchmarks/paper_tasks.py induction-heads --impls fused,unfused       # the two CUDA paths, same seed
     python benchmarks/paper_tasks.py selective-copying --smoke         # CPU, reference, seconds
 
 Tasks (token layouts; docs/results.md, "The paper's synthetic tasks", says which details are the
@@ -179,8 +180,9 @@ class TimeInvariantMamba(selscan_fused.Mamba):
     Initialisation: dt_low zeros (delta starts at the block's dt initialisation, softplus of the bias),
     B ones, C normal(0, 1/N). The paths: "reference" (selscan_fused's conv and scan references) and
     "unfused" (the conv kernel and the block's gated scan kernel on the broadcast constants: the calls of
-    selscan_fused.mamba_block's unfused path with x_proj's product replaced), "fused" is refused as
-    the block refuses it. forward has the block's signature and states."""
+    selscan_fused.mamba_block's unfused path with x_proj's product replaced) and "fused" (the block's
+    fused kernel, fused_block_fwd, on the broadcast [dt_low | B | C]). forward has the block's signature
+    and states."""
 
     def __init__(self, d_model: int, **kw):
         super().__init__(d_model, **kw)
@@ -237,15 +239,25 @@ class TimeInvariantMamba(selscan_fused.Mamba):
             u, conv_T = causal_conv1d(xi, conv_w.to(f32), None if conv_b is None else conv_b.to(f32),
                                       None if conv_state is None else conv_state.to(xdt), activation=True,
                                       return_final_state=True)
-            delta = F.linear(self.dt_low.to(xdt), self.dt_proj.weight.to(xdt))            # delta_pre, (d_inner,)
-            delta = delta.expand(batch, L, d_inner).contiguous()
-            bc = torch.cat([self.B_const, self.C_const]).to(xdt).expand(batch, L, 2 * N).contiguous()
             A_log, dt_bias, D = self.A_log.to(f32), self.dt_proj.bias.to(f32), self.D.to(f32)
             h0f = None if h0 is None else h0.to(f32)
-            train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                    for t in (delta, bc, u, z, A_log, dt_bias, D, h0f))
-            y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(delta, bc, u, z, A_log, dt_bias, D, h0f,
-                                                                return_final_state, train, 0)
+            if impl == "fused":  # the fused kernel on the broadcast constants [dt_low | B | C]
+                R = self.dt_rank
+                xdbl = torch.cat([self.dt_low, self.B_const, self.C_const]).to(xdt).expand(batch, L, R + 2 * N)
+                xdbl = xdbl.contiguous()
+                dt_w = self.dt_proj.weight.to(xdt)
+                train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                        for t in (xdbl, dt_w, u, z, A_log, dt_bias, D, h0f))
+                y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(u, xdbl, z, dt_w, A_log, dt_bias, D, h0f,
+                                                                     return_final_state, train, 0)
+            else:
+                delta = F.linear(self.dt_low.to(xdt), self.dt_proj.weight.to(xdt))        # delta_pre, (d_inner,)
+                delta = delta.expand(batch, L, d_inner).contiguous()
+                bc = torch.cat([self.B_const, self.C_const]).to(xdt).expand(batch, L, 2 * N).contiguous()
+                train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                        for t in (delta, bc, u, z, A_log, dt_bias, D, h0f))
+                y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(delta, bc, u, z, A_log, dt_bias, D, h0f,
+                                                                    return_final_state, train, 0)
             out = F.linear(y, self.out_proj.weight.to(xdt),
                            None if self.out_proj.bias is None else self.out_proj.bias.to(xdt))
         return (out, h, conv_T) if return_final_state else out

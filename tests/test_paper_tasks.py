@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import requires_cuda, requires_extension, requires_matplotlib
+from conftest import requires_cuda, requires_extension, requires_hopper, requires_matplotlib
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import paper_tasks  # noqa: E402
@@ -218,10 +218,11 @@ def test_plots(task, tmp_path):
 
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("impl", ["unfused", pytest.param("fused", marks=requires_hopper)])
 @pytest.mark.parametrize("time_invariant", [False, True])
-def test_unfused_matches_reference(time_invariant):
+def test_cuda_matches_reference(time_invariant, impl):
     ref = _model(time_invariant).cuda()
-    unf = _model(time_invariant, impl="unfused").cuda()
+    unf = _model(time_invariant, impl=impl).cuda()
     unf.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 16, (4, 300), generator=_gen(7)).cuda()
     with torch.no_grad():
