@@ -1,8 +1,10 @@
 """Decoding: one token through a whole Mamba language model (embedding, every block's step, norms, LM
-head), ms per token, this project's step paths against mamba-ssm's, side by side in one run.
+head), ms per token, this project's step paths against mamba-ssm's, side by side in one run; with
+--prefill, the prompt's prefill too (ours on the unfused and fused sequence paths, mamba-ssm's forward).
 
     python benchmarks/decode_bench.py [--sizes 130M,1.4B] [--batches 1,16,64,128] [--reps 50]
                                       [--dtype bf16] [--csv docs/decode_bench.csv]
+                                      [--prefill 1,4,16 --prefill-len 2048 --prefill-csv docs/prefill_bench.csv]
 
 Rows per (size, batch):
   torch      MambaLM.step with decode_impl='torch' (selscan_fused.decode: PyTorch operations)
@@ -31,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from selscan_fused.block import block_unsupported_reason  # noqa: E402
 from selscan_fused.decode import decode_kernel_reason  # noqa: E402
 from selscan_fused.generation import CUDAGraphStep  # noqa: E402
 from selscan_fused.model import MambaLM, MambaLMConfig  # noqa: E402
@@ -53,6 +56,14 @@ def floor_ms(model: MambaLM, batch: int) -> float:
     m = model.backbone.layers[0].mixer
     state = len(model.backbone.layers) * batch * m.d_inner * (m.d_state * 4 + (m.d_conv - 1) * 2)
     return (weights + 2 * state) / BANDWIDTH * 1e3
+
+
+def _mamba_ssm_imports() -> bool:
+    try:
+        import mamba_ssm  # type: ignore  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def time_replays(step, reps: int, cuda: bool) -> float:
@@ -130,6 +141,54 @@ def mamba_ssm_step(model: MambaLM, batch: int, reps: int):
     return time_replays(graph.replay, reps, True), "ok"
 
 
+def prefill_rows(model: MambaLM, batches, length: int, reps: int, peer_ok: bool):
+    """Prefill (the forward of a whole prompt into the decode cache): ours on each sequence path
+    available, and mamba-ssm's forward of the same model; CUDA events, median of reps."""
+    device = model.lm_head.weight.device
+    rows = []
+    for batch in batches:
+        ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+        res = {}
+        for impl in ("unfused", "fused"):
+            m = model.backbone.layers[0].mixer
+            probe = torch.empty(1, 1, model.config.d_model, device=device, dtype=model.lm_head.weight.dtype)
+            reason = block_unsupported_reason(impl, probe, m.d_inner, m.d_state, m.d_conv)
+            if reason is not None:
+                res[impl] = (None, f"unavailable: {reason}")
+                continue
+            cache = model.allocate_cache(batch)
+
+            def run():
+                cache.reset()
+                model.prefill(ids, cache, impl=impl)
+            with torch.no_grad():
+                res[impl] = (time_replays(run, reps, device.type == "cuda"), "ok")
+        res["mamba-ssm"] = (None, "unavailable: needs CUDA") if device.type != "cuda" else _peer_prefill(
+            model, ids, reps) if peer_ok else (None, "unavailable: mamba_ssm does not import")
+        peer = res["mamba-ssm"][0]
+        for path, (ms, status) in res.items():
+            rows.append(dict(batch=batch, length=length, path=path, ms="" if ms is None else f"{ms:.3f}",
+                             vs_mamba_ssm="" if ms is None or peer is None else f"{peer / ms:.2f}", status=status))
+    return rows
+
+
+def _peer_prefill(model: MambaLM, ids, reps):
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig  # type: ignore
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel  # type: ignore
+    except Exception as e:  # noqa: BLE001
+        return None, f"unavailable: {type(e).__name__}: {e}"
+    c = model.config
+    w = model.lm_head.weight
+    peer = MambaLMHeadModel(MambaConfig(d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.vocab_size,
+                                        pad_vocab_size_multiple=c.pad_vocab_size_multiple),
+                            device=w.device, dtype=w.dtype).eval()
+    peer.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        ms = time_replays(lambda: peer(ids, num_last_tokens=1), reps, True)
+    return ms, "ok"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="130M,1.4B")
@@ -138,6 +197,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--prefill", default="", help="batches of a prefill table too (e.g. 1,4,16), prompt --prefill-len")
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--prefill-csv", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     rows = []
@@ -156,6 +218,21 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{size:>5} {batch:>5} {path:>10} {row['ms_per_token'] or '-':>9} {fl:7.3f} "
                       f"{row['x_floor'] or '-':>8} {row['vs_mamba_ssm'] or '-':>12}  {status}")
+        if args.prefill:
+            prows = prefill_rows(model, [int(b) for b in args.prefill.split(",")], args.prefill_len, args.reps,
+                                 _mamba_ssm_imports())
+            for r in prows:
+                r["size"] = size
+                print(f"prefill {size:>5} {r['batch']:>4}x{r['length']} {r['path']:>10}: {r['ms'] or '-':>9} ms "
+                      f"({r['vs_mamba_ssm'] or '-'} x mamba-ssm)  {r['status']}")
+            if args.prefill_csv:
+                new_file = not os.path.exists(args.prefill_csv) or size == args.sizes.split(",")[0]
+                with open(args.prefill_csv, "w" if new_file else "a", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=["size", "batch", "length", "path", "ms", "vs_mamba_ssm",
+                                                      "status"])
+                    if new_file:
+                        w.writeheader()
+                    w.writerows(prows)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
