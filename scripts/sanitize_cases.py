@@ -129,8 +129,8 @@ def _block_case(impl, dt, batch, L, Dm, N, W, seed):
 
 
 # Packed sequences on the unfused path (the scan and conv kernels' packed policies), forward + backward:
-# lengths with an empty sequence, sequences shorter than the conv window, starts on and inside chunks.
-PACKED_LENGTHS = [1, 0, 70, 2, 64, 300, 0, 5]
+# sequences shorter than the conv window, starts on and inside the 64-token chunks.
+PACKED_LENGTHS = [1, 70, 2, 64, 300, 5]
 
 
 def _packed_case(dt, seed):

@@ -177,11 +177,12 @@ class Block(nn.Module):
         says so; fused=True runs it as one kernel (the decode step's, csrc/decode/) where that applies."""
         return add_norm(self.norm, hidden, residual, self.residual_in_fp32, fused)
 
-    def forward(self, hidden, residual=None, h0=None, conv_state=None, return_final_state=False, impl=None):
+    def forward(self, hidden, residual=None, h0=None, conv_state=None, return_final_state=False, impl=None,
+                cu_seqlens=None, validate=True):
         normed, residual = self.add_norm(hidden, residual)
         m = self.mixer
         res = mamba_block(normed, *m.weights(), h0=h0, conv_state=conv_state, return_final_state=return_final_state,
-                          impl=impl or m.impl, config=m.config)
+                          impl=impl or m.impl, config=m.config, cu_seqlens=cu_seqlens, validate=validate)
         if return_final_state:
             return res[0], residual, (res[1], res[2])
         return res, residual, None
@@ -319,12 +320,22 @@ class MambaLM(nn.Module):
     # ---- forward ----
 
     def forward(self, input_ids: torch.Tensor, states: list | None = None, return_states: bool = False,
-                impl: str | None = None, num_last_tokens: int = 0):
+                impl: str | None = None, num_last_tokens: int = 0, cu_seqlens: torch.Tensor | None = None,
+                validate: bool = True):
         """input_ids (batch, L) -> logits (batch, L, padded vocab) in the model's dtype, or with
         return_states=True (logits, states): per layer (ssm_state (batch, d_inner, N) float32, conv_state
         (batch, d_inner, d_conv - 1)) after the last token; passing them back as states= continues the
         sequences (a sequence fed in pieces gives the logits of one call). num_last_tokens > 0 computes the
-        logits of the last that many positions only. impl overrides the blocks' path for this call."""
+        logits of the last that many positions only. impl overrides the blocks' path for this call.
+
+        Packed sequences: with cu_seqlens (int32, (num_seqs + 1,); selscan_fused.varlen), input_ids is
+        (1, total_tokens) holding num_seqs sequences one after another, and the states (given and
+        returned) are per sequence, (num_seqs, ...): each sequence's logits and states are those of
+        running it alone (the blocks' packed paths: selscan_fused.mamba_block). num_last_tokens does not
+        apply (the sequences end at different rows: take logits[0, cu_seqlens[1:] - 1])."""
+        if cu_seqlens is not None and num_last_tokens:
+            raise ValueError("selscan_fused: num_last_tokens does not apply to packed sequences (cu_seqlens); take "
+                             "the rows cu_seqlens[1:] - 1 of the logits")
         if impl is not None and impl not in IMPLS:
             raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -339,8 +350,9 @@ class MambaLM(nn.Module):
         new_states = []
         for i, layer in enumerate(layers):
             h0, c0 = states[i] if states is not None else (None, None)
+            # cu_seqlens' values are checked (validate) by the first layer only: one host read per call
             hidden, residual, st = layer(hidden, residual, h0=h0, conv_state=c0, return_final_state=return_states,
-                                         impl=impl)
+                                         impl=impl, cu_seqlens=cu_seqlens, validate=validate and i == 0)
             new_states.append(st)
         residual = hidden if residual is None else hidden + residual
         if num_last_tokens > 0:

@@ -317,7 +317,9 @@ def test_cuda_auto_runs_the_reference_with_a_warning():
 
 # ---- the unfused path's packed kernels (GPU) ----
 
-PACKED_MIX = [1, 7, 0, 1000, 64, 65, 3, 0, 130, 4097, 2]  # starts on and inside the 64-token chunks; empties
+# Starts on and inside the 64-token chunks; empty sequences (the API refuses them under validate=True,
+# the kernels pass their states through: validate=False must not break them)
+PACKED_MIX = [1, 7, 0, 1000, 64, 65, 3, 0, 130, 4097, 2]
 
 
 def _slices(lengths):
@@ -417,7 +419,7 @@ def test_unfused_packed_layer_and_block_against_float64(dtype):
     """The whole packed paths (impl='unfused') against the independent float64 walk: values and every
     gradient within the dtype's bound."""
     fresh_seed()
-    lengths = [300, 1, 0, 77, 700, 5]
+    lengths = [300, 1, 77, 700, 5]
     S, T = len(lengths), sum(lengths)
     cu = cu_of(lengths, "cuda")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -502,3 +504,36 @@ def test_packed_block_compiles_and_replays_with_new_cu_seqlens():
         static_cu.copy_(new)
         g.replay()
         assert torch.equal(out, block(x, cu_seqlens=new))
+
+
+def test_language_model_packed_equals_each_sequence_alone():
+    """MambaLM.forward with cu_seqlens (the reference path, float64): the logits and every layer's states
+    of each sequence equal running it alone; states passed in per sequence continue each sequence."""
+    from selscan_fused.model import MambaLM, MambaLMConfig
+    fresh_seed()
+    cfg = MambaLMConfig(d_model=16, n_layer=2, vocab_size=40, ssm_cfg={"d_state": 4, "d_conv": 3})
+    m = MambaLM(cfg, impl="reference").double().eval()
+    lengths = [5, 1, 12, 2]
+    cu = cu_of(lengths)
+    ids = torch.randint(0, 40, (1, sum(lengths)))
+    with torch.no_grad():
+        logits, states = m(ids, return_states=True, cu_seqlens=cu)
+        a = 0
+        for s, n in enumerate(lengths):
+            lg, st = m(ids[:, a:a + n], return_states=True)
+            torch.testing.assert_close(logits[:, a:a + n], lg, rtol=1e-12, atol=1e-12)
+            for (h, c), (h1, c1) in zip(states, st):
+                torch.testing.assert_close(h[s], h1[0], rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(c[s], c1[0], rtol=1e-12, atol=1e-12)
+            a += n
+        # continuing: a second packed call from the first's states equals one call on the joined sequences
+        more = [3, 2, 4, 6]
+        ids2 = torch.randint(0, 40, (1, sum(more)))
+        logits2, _ = m(ids2, states=states, return_states=True, cu_seqlens=cu_of(more))
+        a, b = 0, 0
+        for s, (n, k) in enumerate(zip(lengths, more)):
+            joined = torch.cat([ids[:, a:a + n], ids2[:, b:b + k]], 1)
+            torch.testing.assert_close(logits2[:, b:b + k], m(joined)[:, n:], rtol=1e-10, atol=1e-10)
+            a, b = a + n, b + k
+    with pytest.raises(ValueError, match="num_last_tokens"):
+        m(ids, cu_seqlens=cu, num_last_tokens=1)
