@@ -162,7 +162,7 @@ def _gated_scan_backward(ctx, dy, dhT, *unused):
     if dy is None:
         dyu = torch.zeros_like(u)
         dz = torch.zeros_like(z)
-    elif dy.dtype == yu.dtype == z.dtype and dy.dim() == 3 and dy.stride(-1) == 1:
+    elif dy.dtype == yu.dtype == z.dtype and dy.dim() == 3 and dy.stride(-1) == 1 and z.stride(-1) == 1:
         dyu, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)  # the same math, one kernel (csrc/scan/gate_bwd.cu)
     else:
         zf = z.float()
@@ -227,7 +227,7 @@ def _packed_backward(ctx, dy, dhT, *unused):
         dy = dy.to(x.dtype)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         if z is not None:
-            dyx, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)
+            dyx, dz = torch.ops.selscan_fused.gate_bwd(dy, z if z.stride(-1) == 1 else z.contiguous(), yu)
         else:
             dyx = dy
     dP, dx, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd_packed(delta, bc, x, A_log, b_delta, D, h0, dyx,
@@ -287,7 +287,8 @@ def _fused_block_backward(ctx, dy, dhT, *unused):
             dyu, dz = torch.zeros_like(u), torch.zeros_like(z)
         else:
             dy = dy.to(u.dtype)
-            dyu, dz = torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(), z, yu)
+            dyu, dz = torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(),
+                                                       z if z.stride(-1) == 1 else z.contiguous(), yu)
         dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dyu, dhT,
                                                                         ckpt, ctx.l_segments)
         d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]

@@ -441,10 +441,9 @@ def selective_scan(
                              "scan is never split along L)")
         with torch.autocast("cuda", enabled=False):
             proj = F.linear(x, torch.cat([W_delta, W_B, W_C], 0))
-            Dm = x.shape[-1]
-            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(proj[..., :Dm], proj[..., Dm:], x, None, A_log,
-                                                                 b_delta, D, h0, cu_seqlens, return_final_state,
-                                                                 train)
+            delta, bc = proj.split([x.shape[-1], 2 * N], dim=-1)  # one concatenation in the backward
+            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(delta, bc, x, None, A_log, b_delta, D, h0, cu_seqlens,
+                                                                 return_final_state, train)
         return (y, h) if return_final_state else y
     if train:
         if chosen == "fused":

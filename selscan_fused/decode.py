@@ -158,7 +158,7 @@ def mamba_block_step(
     x = hidden_states
     xdt = x.dtype
     xz = F.linear(x, _cast(in_proj_weight, xdt), _cast(in_proj_bias, xdt))         # (batch, 2 d_inner)
-    if chosen == "kernel":
+    if chosen == "kernel" and x.shape[0] > 0:  # (an empty batch: the torch path's empty tensors)
         reason = decode_kernel_reason(x, N, R, W)
         if reason is not None:
             raise ValueError(f"selscan_fused: impl='kernel' cannot run this decode step: {reason}; use impl='torch'")
@@ -169,7 +169,7 @@ def mamba_block_step(
         # The small parameters as they are when they share float32 or x's dtype (a model cast as a whole):
         # no cast in the step; else all in float32.
         small = [conv_weight.reshape(d_inner, W), conv_bias, dt_proj_bias, A_log, D]
-        sdt = A_log.dtype if A_log.dtype in (torch.float32, xdt) else torch.float32
+        sdt = xdt if all(t is None or t.dtype == xdt for t in small) else torch.float32
         small = [None if t is None else _cast(t, sdt).contiguous() for t in small]
         y = torch.ops.selscan_fused.decode_mid(xz.contiguous(), conv_state, ssm_state, small[0], small[1],
                                                _cast(x_proj_weight, xdt).contiguous(),

@@ -135,7 +135,7 @@ class RMSNorm(nn.Module):
 
 
 def _fused_add_norm_applies(norm, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    return (isinstance(norm, RMSNorm) and hidden.is_cuda and norm_op_available()
+    return (isinstance(norm, RMSNorm) and hidden.is_cuda and hidden.numel() > 0 and norm_op_available()
             and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16) and norm.weight.dtype == hidden.dtype
             and (residual is None or (residual.dtype in (torch.float32, hidden.dtype)
                                       and residual.shape == hidden.shape and residual.is_contiguous())))

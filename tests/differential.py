@@ -72,6 +72,9 @@ class Case:
     d_conv: int = 0
     dt_rank: int = 0
     biases: bool = False   # in_proj / out_proj biases (mamba-ssm's bias=True); the conv's bias otherwise
+    # packed sequences (cu_seqlens; the unfused paths): the sequences' lengths, batch 1, L their sum; h0
+    # (and the block's conv state) one per sequence
+    lengths: tuple = ()
 
     def line(self) -> str:
         return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
@@ -105,8 +108,24 @@ def make_case(seed: int, index: int, impls=("unfused", "fused")) -> Case:
         x_scale = min(x_scale, 3.0)
         b_hi = min(b_hi, 5.0)
         b_lo = min(b_lo, b_hi)
-    return Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
-                r.random() < 1 / 3)
+    c = Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
+             r.random() < 1 / 3)
+    return _maybe_packed(r, c)
+
+
+def _maybe_packed(r: random.Random, c: Case) -> Case:
+    """One unfused case in five packs sequences of different lengths (drawn last, so that the other draws
+    of a (seed, index) are those of before): 1-8 sequences of 1 to ~2000 tokens (log-uniform), starts on
+    and off the kernels' 64-token chunks, batch 1."""
+    if c.impl not in ("unfused", "block-unfused") or r.random() >= 0.2:
+        return c
+    S = r.randint(1, 8)
+    lengths = tuple(max(1, int(round(math.exp(r.uniform(0.0, math.log(2000)))))) for _ in range(S))
+    while (sum(lengths) > 4097 or sum(lengths) * c.Dm * (2 if c.impl.startswith("block-") else 1) > 3_000_000) \
+            and max(lengths) > 1:
+        lengths = tuple(max(1, n // 2) for n in lengths)
+    c.lengths, c.batch, c.L = lengths, 1, sum(lengths)
+    return c
 
 
 def _make_block_case(r: random.Random, seed: int, index: int, impl: str) -> Case:
@@ -130,9 +149,10 @@ def _make_block_case(r: random.Random, seed: int, index: int, impl: str) -> Case
         x_scale = min(x_scale, 3.0)
         b_hi = min(b_hi, 5.0)
         b_lo = min(b_lo, b_hi)
-    return Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
-                r.random() < 1 / 3, d_conv=r.choice([2, 3, 4, 4]), dt_rank=r.randint(1, math.ceil(Dm / 16) + 8),
-                biases=r.random() < 0.25)
+    c = Case(seed, index, impl, mode, batch, L, Dm, N, r.random() < 0.5, lo, hi, x_scale, z_scale, b_lo, b_hi,
+             r.random() < 1 / 3, d_conv=r.choice([2, 3, 4, 4]), dt_rank=r.randint(1, math.ceil(Dm / 16) + 8),
+             biases=r.random() < 0.25)
+    return _maybe_packed(r, c)
 
 
 BLOCK_NAMES = ("hidden_states", "in_proj_weight", "in_proj_bias", "conv_weight", "conv_bias", "x_proj_weight",
@@ -167,8 +187,8 @@ def block_case_inputs(c: Case, device="cuda"):
         D=rnd(Di),
         out_proj_weight=(rnd(Dm, Di) * Di ** -0.5).to(dt),
         out_proj_bias=(rnd(Dm) * 0.1).to(dt) if c.biases else None,
-        h0=rnd(c.batch, Di, N) * c.x_scale if c.with_h0 else None,
-        conv_state=(rnd(c.batch, Di, W - 1) * c.x_scale).to(dt) if c.with_h0 else None,
+        h0=rnd(len(c.lengths) or c.batch, Di, N) * c.x_scale if c.with_h0 else None,
+        conv_state=(rnd(len(c.lengths) or c.batch, Di, W - 1) * c.x_scale).to(dt) if c.with_h0 else None,
     )
     return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
 
@@ -208,16 +228,19 @@ def _run_block_case(c: Case, device, path) -> list[str]:
                           if v is not None else None) for k, v in inp.items()} for which in evals}
     a = copies["path"]
     fn = path or selscan_fused.mamba_block
+    packed = {"cu_seqlens": _cu(c, device)} if c.lengths else {}
     outs_path = fn(*[a[k] for k in BLOCK_NAMES[:12]], h0=a["h0"], conv_state=a["conv_state"],
-                   return_final_state=True, impl=c.impl.removeprefix("block-"))
-    f = copies["f32"]
+                   return_final_state=True, impl=c.impl.removeprefix("block-"), **packed)
+    seq = ("h0", "conv_state")
     outs = {"path": outs_path,
-            "f32": mamba_block_ref(*[f[k] for k in BLOCK_NAMES[:12]], f["h0"], f["conv_state"],
-                                   compute_dtype=torch.float32),
-            "f64": mamba_block_ref(*[copies["f64"][k] for k in BLOCK_NAMES[:12]], copies["f64"]["h0"],
-                                   copies["f64"]["conv_state"])}
+            "f32": _per_sequence(c, lambda f: mamba_block_ref(*[f[k] for k in BLOCK_NAMES[:12]], f["h0"],
+                                                              f["conv_state"], compute_dtype=torch.float32),
+                                 copies["f32"], seq, "hidden_states"),
+            "f64": _per_sequence(c, lambda f: mamba_block_ref(*[f[k] for k in BLOCK_NAMES[:12]], f["h0"],
+                                                              f["conv_state"]),
+                                 copies["f64"], seq, "hidden_states")}
     if design:
-        outs["design"] = _block_design(copies["design"], dt)
+        outs["design"] = _per_sequence(c, lambda f: _block_design(f, dt), copies["design"], seq, "hidden_states")
     bound = max(TOLERANCE[c.mode], 3e-3) if c.mode == "float32-high" else TOLERANCE[c.mode]
     for i, name in enumerate(("out", "final state", "conv state")):
         fails += _check(name, outs["path"][i], outs["f32"][i], outs["f64"][i], bound,
@@ -256,9 +279,33 @@ def case_inputs(c: Case, device="cuda"):
         W_B=(rnd(c.N, c.Dm) * c.Dm ** -0.5).to(dt),
         W_C=(rnd(c.N, c.Dm) * c.Dm ** -0.5).to(dt),
         D=rnd(c.Dm),
-        h0=rnd(c.batch, c.Dm, c.N) * c.x_scale if c.with_h0 else None,
+        h0=rnd(len(c.lengths) or c.batch, c.Dm, c.N) * c.x_scale if c.with_h0 else None,
     )
     return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
+
+
+def _per_sequence(c: Case, fn, inp: dict, seq_keys: tuple, row_key: str):
+    """A reference evaluated one sequence at a time over a packed case (the definition of the packed
+    result): inp[row_key] sliced along its tokens, the per-sequence tensors in seq_keys sliced by
+    sequence; the outputs' first one concatenated along the tokens, the rest along the sequences."""
+    if not c.lengths:
+        return fn(inp)
+    outs, a = [], 0
+    for s, n in enumerate(c.lengths):
+        sub = dict(inp)
+        sub[row_key] = inp[row_key][:, a:a + n]
+        for k in seq_keys:
+            if inp[k] is not None:
+                sub[k] = inp[k][s:s + 1]
+        outs.append(fn(sub))
+        a += n
+    return (torch.cat([o[0] for o in outs], 1),) + tuple(torch.cat([o[i] for o in outs], 0)
+                                                          for i in range(1, len(outs[0])))
+
+
+def _cu(c: Case, device):
+    return None if not c.lengths else torch.tensor([0] + list(torch.tensor(c.lengths).cumsum(0).tolist()),
+                                                   dtype=torch.int32, device=device)
 
 
 def _precision(mode):
@@ -362,11 +409,13 @@ def _run_case(c: Case, device, path) -> list[str]:
         copies[which] = {k: ((v.detach().double() if which == "f64" else v.detach().clone()).requires_grad_(need_grad)
                              if v is not None else None) for k, v in inp.items()}
     a = copies["path"]
+    packed = {"cu_seqlens": _cu(c, device)} if c.lengths else {}
     y, h = path(a["x"], a["A_log"], a["W_delta"], a["b_delta"], a["W_B"], a["W_C"], a["D"], h0=a["h0"],
-                return_final_state=True, impl=c.impl)
-    y32, h32 = _ref(copies["f32"], torch.float32)
-    y64, h64 = _ref(copies["f64"], torch.float64)
-    yd, hd = _ref(copies["design"], torch.float32, DTYPE[c.mode]) if design else (None, None)
+                return_final_state=True, impl=c.impl, **packed)
+    y32, h32 = _per_sequence(c, lambda i: _ref(i, torch.float32), copies["f32"], ("h0",), "x")
+    y64, h64 = _per_sequence(c, lambda i: _ref(i, torch.float64), copies["f64"], ("h0",), "x")
+    yd, hd = _per_sequence(c, lambda i: _ref(i, torch.float32, DTYPE[c.mode]), copies["design"], ("h0",),
+                           "x") if design else (None, None)
     fwd_design = design and c.impl == "unfused"  # the fused forward keeps its projections in float32
     bound = TOLERANCE[c.mode]
     for name, out, r32, r64, rd in (("y", y, y32, y64, yd), ("final state", h, h32, h64, hd)):
@@ -377,7 +426,7 @@ def _run_case(c: Case, device, path) -> list[str]:
         # float16 gradients of the weights (sums over every token) stay inside float16's range.
         s = 2.0 ** -6 if c.mode == "float16" else 1.0
         dy = torch.randn(c.batch, c.L, c.Dm, generator=g).to(device) * s
-        dh = torch.randn(c.batch, c.Dm, c.N, generator=g).to(device) * s
+        dh = torch.randn(len(c.lengths) or c.batch, c.Dm, c.N, generator=g).to(device) * s
         grads = {}
         outs = {"path": (y, h), "f32": (y32, h32), "f64": (y64, h64), "design": (yd, hd)}
         for which in evals:

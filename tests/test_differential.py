@@ -125,3 +125,29 @@ def test_the_judge_catches_wrong_block_answers(wrong, mode):
                                      and (wrong != "conv_state" or c.d_conv > 2))[0]
     assert run_case(c, device="cpu", path=path) != [], c.line()
 
+
+
+def test_packed_cases_are_drawn_and_judged():
+    """One unfused case in five packs sequences of different lengths; on the CPU the reference passes the
+    judge on packed cases (layer and block), and a path that lets the state run on across sequence
+    starts (cu_seqlens ignored) is caught."""
+    from dataclasses import replace
+    drawn = [make_case(21, i, impls=("unfused", "block-unfused")) for i in range(300)]
+    packed = [c for c in drawn if c.lengths]
+    assert 30 < len(packed) < 100
+    for c in packed:
+        assert c.batch == 1 and c.L == sum(c.lengths) and all(n >= 1 for n in c.lengths), c.line()
+    base = make_case(5, 0, impls=("reference",))
+    for impl, Dm in (("reference", 16), ("block-reference", 8)):
+        c = replace(base, impl=impl, Dm=Dm, N=8, lengths=(7, 1, 64, 30), batch=1, L=102, with_h0=True,
+                    backward=True, mode="float32-highest", d_conv=4, dt_rank=2)
+        assert run_case(c, device="cpu") == [], c.line()
+
+    def ignores_cu(*args, cu_seqlens=None, **kw):  # y with the state running on across the sequence starts
+        y_wrong, _ = selscan_fused.selective_scan(*args, **kw)
+        _, h = selscan_fused.selective_scan(*args, cu_seqlens=cu_seqlens, **kw)
+        return y_wrong, h
+
+    c = replace(base, impl="reference", Dm=16, N=8, lengths=(40, 60), batch=1, L=100, with_h0=False,
+                backward=False, mode="float32-highest", a_log_lo=-3.0, a_log_hi=-1.0)
+    assert run_case(c, device="cpu", path=ignores_cu) != []

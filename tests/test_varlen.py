@@ -360,6 +360,7 @@ def test_packed_scan_kernels_bitwise_equal_each_sequence_alone(dtype, gate, pois
     dP, dx, dA, db, dD, dh0 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, cu)
     for t in (y, hT, dP, dx, dh0):
         assert torch.isfinite(t).all()
+    sums = [torch.zeros_like(t) for t in (dA, db, dD)]
     for s, (a, e) in enumerate(_slices(lengths)):
         if a == e:  # empty: the state and its gradient pass through
             assert torch.equal(hT[s], h0[s]) and torch.equal(dh0[s], dhT[s])
@@ -377,6 +378,18 @@ def test_packed_scan_kernels_bitwise_equal_each_sequence_alone(dtype, gate, pois
         assert torch.equal(g[0], dP[:, a:e]), s
         assert torch.equal(g[1], dx[:, a:e]), s
         assert torch.equal(g[5][0], dh0[s]), s
+        for acc, part in zip(sums, g[2:5]):
+            acc += part
+    # dA_log, db_delta, dD: sums over the sequences (the packed kernel's partials in another order)
+    for got, want in zip((dA, db, dD), sums):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # without h0, dhT, the final state or the gate's training outputs: zeros in, nothing asked back
+    y2, hT2, ck2, yu2 = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, False, False)
+    assert hT2.numel() == 0 and ck2.shape[0] == 0 and yu2.shape[0] == 0 and torch.isfinite(y2).all()
+    y3, _, ck3, _ = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, True, True)
+    assert torch.equal(y2, y3)
+    g2 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, None, dy, None, ck3, cu)
+    assert all(torch.isfinite(t).all() for t in g2)
 
 
 @requires_cuda
@@ -388,28 +401,41 @@ def test_packed_conv_kernels_bitwise_equal_each_sequence_alone(dtype, width, poi
     fresh_seed()
     lengths = PACKED_MIX + [2, 1]  # sequences shorter than the window
     S, T, C = len(lengths), sum(lengths), 96
-    xz = torch.randn(1, T, 2 * C, device="cuda").to(dtype)
+    xz = torch.randn(1, T, 2 * C, device="cuda").to(dtype).requires_grad_(True)
     x = xz[..., :C]  # strided, as the block passes in_proj's output
-    w = torch.randn(C, width, device="cuda") * 0.5
-    bias = torch.randn(C, device="cuda") * 0.1
-    init = torch.randn(S, C, width - 1, device="cuda").to(dtype).float()
+    w = torch.randn(C, width, device="cuda").mul_(0.5).requires_grad_(True)
+    bias = torch.randn(C, device="cuda").mul_(0.1).requires_grad_(True)
+    init = torch.randn(S, C, width - 1, device="cuda").to(dtype).float().requires_grad_(True)
     cu = cu_of(lengths, "cuda")
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, bias, init)]
-    out, fs = causal_conv1d_packed(*leaves, cu, activation=True, return_final_state=True)
-    g_out = torch.randn_like(out)
-    g_fs = torch.randn_like(fs)
-    (out.float() * g_out.float()).sum().backward(retain_graph=True)
-    (fs.float() * g_fs.float()).sum().backward()
+    torch.ops.selscan_fused.conv_set_poison_outputs(True)  # every output element must be written
+    try:
+        out, fs = causal_conv1d_packed(x, w, bias, init, cu, activation=True, return_final_state=True)
+        g_out = torch.randn_like(out)
+        g_fs = torch.randn_like(fs)
+        # one backward of the whole loss, as on each sequence alone below (dfinal_state is added to dx in
+        # float32 before its one rounding)
+        ((out.float() * g_out.float()).sum() + (fs.float() * g_fs.float()).sum()).backward()
+    finally:
+        torch.ops.selscan_fused.conv_set_poison_outputs(False)
+    assert torch.isfinite(out).all() and torch.isfinite(fs).all() and torch.isfinite(xz.grad).all()
+    dw_sum, db_sum = torch.zeros_like(w), torch.zeros_like(bias)
     for s, (a, e) in enumerate(_slices(lengths)):
         ls = [t.detach().clone().requires_grad_(True) for t in (x[:, a:e], w, bias, init[s:s + 1])]
         if a == e:
-            assert torch.equal(fs[s], init[s].to(dtype)) and torch.equal(leaves[3].grad[s], g_fs[s].float())
+            assert torch.equal(fs[s], init[s].to(dtype)) and torch.equal(init.grad[s], g_fs[s].float())
             continue
         o, f_ = causal_conv1d(*ls, activation=True, return_final_state=True)
         assert torch.equal(o, out[:, a:e]) and torch.equal(f_[0], fs[s]), s
         ((o.float() * g_out[:, a:e].float()).sum() + (f_.float() * g_fs[s:s + 1].float()).sum()).backward()
-        assert torch.equal(ls[0].grad, leaves[0].grad[:, a:e]), s
-        assert torch.equal(ls[3].grad[0], leaves[3].grad[s]), s
+        assert torch.equal(ls[0].grad, xz.grad[:, a:e, :C]), s
+        assert torch.equal(ls[3].grad[0], init.grad[s]), s
+        dw_sum += ls[1].grad
+        db_sum += ls[2].grad
+    assert not xz.grad[..., C:].any()  # nothing reaches z's half
+    # the weight's and the bias's gradients: sums over every sequence (in another order than the packed
+    # kernel's partials: close, not bitwise)
+    torch.testing.assert_close(w.grad, dw_sum, rtol=1e-4, atol=1e-4 * dw_sum.abs().max().item())
+    torch.testing.assert_close(bias.grad, db_sum, rtol=1e-4, atol=1e-4 * db_sum.abs().max().item())
 
 
 @requires_cuda
@@ -487,8 +513,14 @@ def test_packed_block_compiles_and_replays_with_new_cu_seqlens():
         return block(xx, cu_seqlens=cc, validate=False).square().mean()
 
     eager = loss_fn(x, cu)
+    eager.backward()
+    g_eager = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad(set_to_none=True)
     compiled = torch.compile(loss_fn, fullgraph=True)(x, cu)
+    compiled.backward()
     assert rel_l2(compiled, eager) < 1e-5
+    for p, g in zip(block.parameters(), g_eager):
+        assert rel_l2(p.grad, g) < 1e-4
     static_cu = cu.clone()
     with torch.no_grad():
         loss_fn(x, static_cu)

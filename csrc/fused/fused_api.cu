@@ -73,7 +73,7 @@ cudaError_t fused_plan(const FusedParams& p, int64_t requested_segments, int64_t
                           (streams * (info->n_segments - 1) + sms - 1) / sms;
     const double per_exp = tile == 16 ? kFusedNarrowCost : (info->seg_len <= kFusedShortStream ? 1.14 : 1.0);
     const double scan = double(tile) * per_exp;
-    const double load = double(p.dim) * elem * (1.0 + double(tile + 2 * p.dstate) / double(kFusedTokenTile)) /
+    const double load = double(p.kdim()) * elem * (1.0 + double(tile + 2 * p.dstate) / double(kFusedTokenTile)) /
                         kFusedLoadBytesPerUnit;
     return double(waves) * double(info->seg_len) * std::max(scan, load) +
            (info->n_segments == 1 ? 1.0 : 2.0) * kFusedPhaseCost;

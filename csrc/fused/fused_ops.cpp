@@ -336,12 +336,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
   // contiguous output qualifies), else a contiguous copy.
   const bool z_rows = z_in.stride(2) == 1 && z_in.stride(1) >= Dm && z_in.stride(0) == L * z_in.stride(1) &&
                       z_in.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(z_in.data_ptr()) % (2 * elem) == 0;
-  const at::Tensor z = z_rows ? z_in : z_in.contiguous();
+  const at::Tensor z = z_rows ? z_in : aligned_contiguous(z_in);
   const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
   at::Tensor h0_c;
   if (h0) h0_c = h0->contiguous();
 
   FusedParams p = make_params(u, batch, L, Dm, N);
+  // float32: 3xTF32 whatever the matmul precision (K = R + 2N is small, so it costs little), so that B
+  // and C pass through the identity rows to float32 accuracy (one TF32 product would round them).
+  p.fp32_3xtf32 = true;
   p.x = u.data_ptr(); p.xk = xk.data_ptr(); p.k_dim = Kp;
   p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();

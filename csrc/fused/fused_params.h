@@ -29,9 +29,9 @@ struct FusedParams {
 
   // Inputs, all contiguous.
   const void* x = nullptr;          // (batch, L, D), dtype
-  const void* W_delta = nullptr;    // (D, D), dtype
-  const void* W_B = nullptr;        // (N, D), dtype
-  const void* W_C = nullptr;        // (N, D), dtype
+  const void* W_delta = nullptr;    // (D, K), dtype; K = kdim() (D for the layer)
+  const void* W_B = nullptr;        // (N, K), dtype
+  const void* W_C = nullptr;        // (N, K), dtype
   const float* A_log = nullptr;     // (D, N)
   const float* b_delta = nullptr;   // (D,)
   const float* D = nullptr;         // (D,)
@@ -42,7 +42,8 @@ struct FusedParams {
   //  - delta from the low rank: the tensor cores read xk = [dt_low | B | C] (x_proj's output, (batch, L,
   //    k_dim), k_dim = R + 2N) against W_delta = [dt_proj's weight | 0] (D, k_dim), W_B = [0 | I | 0] and
   //    W_C = [0 | 0 | I] (N, k_dim): dt_proj runs on the tensor cores inside the scan's launch and B, C
-  //    pass through exactly (products by 1 and 0); x (the scan's input and D's) is the conv's output u.
+  //    pass through as products by 1 and 0 (exact for bf16/fp16; float32 takes 3xTF32, within 2^-21);
+  //    x (the scan's input and D's) is the conv's output u.
   //  - the gated output: y = (C h + D u) * silu(z), z (batch, L, D) with token stride z_stride (the right
   //    half of in_proj's output); y_ungated, when set, receives C h + D u (for the backward).
   const void* xk = nullptr;         // (batch, L, k_dim), dtype, contiguous; null: x (the layer)

@@ -178,11 +178,11 @@ __device__ __forceinline__ bool sub_tile_live(const FusedParams& p, int64_t t0) 
 
 template <class Cfg, class TmaX, class TmaXt, class TmaWd, class TmaWn>
 struct KernelArgs {
-  TmaX tma_x;     // x as (L, D, batch): operand tiles (64 x kBK), swizzled
-  TmaXt tma_xt;   // x as (L, D, batch): scan tiles (64 x kDt), plain
-  TmaWd tma_wd;   // W_delta (D, D)
-  TmaWn tma_wb;   // W_B (N, D)
-  TmaWn tma_wc;   // W_C (N, D)
+  TmaX tma_x;     // the product's operand (x, or the block's xk) as (L, K, batch): tiles (64 x kBK), swizzled
+  TmaXt tma_xt;   // x (the block's u) as (L, D, batch): scan tiles (64 x kDt), plain
+  TmaWd tma_wd;   // W_delta (D, K)
+  TmaWn tma_wb;   // W_B (N, K)
+  TmaWn tma_wc;   // W_C (N, K)
   FusedParams p;
 };
 

@@ -127,7 +127,8 @@ struct Item {
   int64_t ckpt0;           // the sequence's first checkpoint slot
 };
 
-template <class Tr>
+// kPacked: the item's sequence from cu_seqlens (compile-time: the batch kernels keep their registers).
+template <class Tr, bool kPacked>
 __device__ __forceinline__ Item decode_item(const ScanBwdParams& p, int64_t item) {
   const int64_t n_tiles = (p.dim + Tr::kDc - 1) / Tr::kDc;
   Item it;
@@ -135,7 +136,7 @@ __device__ __forceinline__ Item decode_item(const ScanBwdParams& p, int64_t item
   it.b = (item / n_tiles) % p.batch;
   it.seg = item / (n_tiles * p.batch);
   it.d0 = it.tile * Tr::kDc;
-  if (p.cu_seqlens != nullptr) {  // packed: the whole sequence, never split (scan_bwd_params.h)
+  if constexpr (kPacked) {  // the whole sequence, never split (scan_bwd_params.h)
     const SeqRange r = seq_range(p.cu_seqlens, it.b, p.seqlen);
     it.t_begin = 0;
     it.t_end = r.len;
@@ -470,8 +471,9 @@ __device__ __forceinline__ void run_item(SharedStorage<Tr>& s, const ScanBwdPara
   }
 }
 
-template <class Tr, bool kSplit>
+template <class Tr, bool kSplit, bool kPacked = false>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks) scan_bwd_kernel(const ScanBwdParams p) {
+  static_assert(!(kSplit && kPacked), "packed sequences are never split along L");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<Tr>*>(smem_raw);
   constexpr int kNS = Tr::kNS, kN = Tr::kN;
@@ -486,7 +488,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks) scan_bwd_kernel(
   if constexpr (kSplit) {
     // Phase 1: every segment but the first, the adjoint alone from a zero adjoint at its end.
     for (int64_t item = blockIdx.x; item < items_per_seg * (p.n_segments - 1); item += gridDim.x) {
-      const Item it = decode_item<Tr>(p, item + items_per_seg);
+      const Item it = decode_item<Tr, kPacked>(p, item + items_per_seg);
       load_item_params<Tr>(s, p, it, st);
       run_item<Tr, false>(s, p, it, st);
       const int64_t d = it.d0 + c;
@@ -501,7 +503,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks) scan_bwd_kernel(
 
   // Phase 2: the adjoint entering each segment's end, then the full backward.
   for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
-    const Item it = decode_item<Tr>(p, item);
+    const Item it = decode_item<Tr, kPacked>(p, item);
     load_item_params<Tr>(s, p, it, st);
     const int64_t d = it.d0 + c;
     const bool valid_d = d < p.dim;
@@ -529,10 +531,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks) scan_bwd_kernel(
 }
 
 // Host side.
-template <class Tr, bool kSplit>
+template <class Tr, bool kSplit, bool kPacked = false>
 cudaError_t prepare_kernel(int device, int* blocks_per_sm) {
-  return selscan::prepare_kernel<scan_bwd_kernel<Tr, kSplit>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)), device,
-                                                            blocks_per_sm);
+  return selscan::prepare_kernel<scan_bwd_kernel<Tr, kSplit, kPacked>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)),
+                                                                     device, blocks_per_sm);
 }
 
 template <class Tr>
@@ -541,11 +543,17 @@ cudaError_t launch(const ScanBwdParams& p, cudaStream_t stream) {
   SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
   const int64_t n_items = p.batch * ((p.dim + Tr::kDc - 1) / Tr::kDc) * p.n_segments;
   if (p.n_segments == 1) {
-    SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false>(device, &blocks));
     if (n_items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-    scan_bwd_kernel<Tr, false><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+    if (p.cu_seqlens != nullptr) {
+      SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false, true>(device, &blocks));
+      scan_bwd_kernel<Tr, false, true><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+    } else {
+      SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false>(device, &blocks));
+      scan_bwd_kernel<Tr, false><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+    }
     return cudaGetLastError();
   }
+  if (p.cu_seqlens != nullptr) return cudaErrorInvalidValue;  // packed sequences are never split
   SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, true>(device, &blocks));
   return launch_cooperative(scan_bwd_kernel<Tr, true>, p, n_items, blocks, Tr::kThreads,
                             int(sizeof(SharedStorage<Tr>)), stream);

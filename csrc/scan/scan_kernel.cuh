@@ -88,7 +88,9 @@ struct Item {
   int64_t ckpt0;           // the sequence's first checkpoint slot
 };
 
-template <class Tr>
+// kPacked: the item's sequence from cu_seqlens (a compile-time policy, so that the batch kernels keep
+// their registers and occupancy, which the L-split plan reads).
+template <class Tr, bool kPacked>
 __device__ __forceinline__ Item<Tr> decode_item(const ScanParams& p, int64_t item) {
   const int64_t n_tiles = (p.dim + Tr::kDc - 1) / Tr::kDc;
   Item<Tr> it;
@@ -96,7 +98,7 @@ __device__ __forceinline__ Item<Tr> decode_item(const ScanParams& p, int64_t ite
   it.b = (item / n_tiles) % p.batch;
   it.seg = item / (n_tiles * p.batch);
   it.d0 = it.tile * Tr::kDc;
-  if (p.cu_seqlens != nullptr) {  // packed: the whole sequence, never split
+  if constexpr (kPacked) {  // the whole sequence, never split
     const SeqRange r = seq_range(p.cu_seqlens, it.b, p.seqlen);
     it.t_begin = 0;
     it.t_end = r.len;
@@ -328,8 +330,9 @@ __device__ __forceinline__ void load_channel_params(SharedStorage<Tr>& s, const 
   // bias/Dskip are read after the (A) barrier of the first chunk.
 }
 
-template <class Tr, bool kSplit>
+template <class Tr, bool kSplit, bool kPacked = false>
 __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams p) {
+  static_assert(!(kSplit && kPacked), "packed sequences are never split along L");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<Tr>*>(smem_raw);
   const int tid = threadIdx.x;
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
   if constexpr (kSplit) {
     // Phase 1: end state and sum of dt of every segment but the last, from a zero state.
     for (int64_t item = blockIdx.x; item < items_per_seg * (p.n_segments - 1); item += gridDim.x) {
-      const Item<Tr> it = decode_item<Tr>(p, item);
+      const Item<Tr> it = decode_item<Tr, kPacked>(p, item);
       load_channel_params<Tr>(s, p, it, A2);
 #pragma unroll
       for (int n = 0; n < Tr::kNS; ++n) h[n] = 0.f;
@@ -360,7 +363,7 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
 
   // Phase 2: true start state, then the scan that writes y.
   for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
-    const Item<Tr> it = decode_item<Tr>(p, item);
+    const Item<Tr> it = decode_item<Tr, kPacked>(p, item);
     load_channel_params<Tr>(s, p, it, A2);
     const int64_t d = it.d0 + c;
     const bool valid_d = d < p.dim;
@@ -378,25 +381,31 @@ __global__ void __launch_bounds__(Tr::kThreads) scan_fwd_kernel(const ScanParams
 }
 
 // Host side.
-template <class Tr, bool kSplit>
+template <class Tr, bool kSplit, bool kPacked = false>
 cudaError_t prepare_kernel(int device, int* blocks_per_sm) {
-  return selscan::prepare_kernel<scan_fwd_kernel<Tr, kSplit>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)), device,
-                                                            blocks_per_sm);
+  return selscan::prepare_kernel<scan_fwd_kernel<Tr, kSplit, kPacked>>(Tr::kThreads, int(sizeof(SharedStorage<Tr>)),
+                                                                     device, blocks_per_sm);
 }
 
 template <class Tr>
 cudaError_t launch_whole(const ScanParams& p, cudaStream_t stream) {
   int device = 0, blocks = 0;
   SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
-  SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false>(device, &blocks));
   const int64_t n_items = p.batch * ((p.dim + Tr::kDc - 1) / Tr::kDc);
   if (n_items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  scan_fwd_kernel<Tr, false><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+  if (p.cu_seqlens != nullptr) {
+    SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false, true>(device, &blocks));
+    scan_fwd_kernel<Tr, false, true><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+  } else {
+    SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, false>(device, &blocks));
+    scan_fwd_kernel<Tr, false><<<unsigned(n_items), Tr::kThreads, sizeof(SharedStorage<Tr>), stream>>>(p);
+  }
   return cudaGetLastError();
 }
 
 template <class Tr>
 cudaError_t launch_split(const ScanParams& p, cudaStream_t stream) {
+  if (p.cu_seqlens != nullptr) return cudaErrorInvalidValue;  // packed sequences are never split
   int device = 0, blocks = 0;
   SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
   SELSCAN_RETURN_IF_ERROR(prepare_kernel<Tr, true>(device, &blocks));
