@@ -13,7 +13,7 @@ namespace {
 
 template <class T>
 cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(unsigned(decode_channel_tiles(p.d_inner)), unsigned(p.batch));
+  const dim3 grid(unsigned(decode_channel_tiles(p.d_inner)), unsigned((p.batch + decode::kSeqs - 1) / decode::kSeqs));
   const dim3 block(decode::kThreads);
   switch (p.width) {
     case 2: decode::conv_xproj_kernel<T, 2><<<grid, block, 0, stream>>>(p); break;
