@@ -9,7 +9,8 @@ CUDA graph and replayed).
 
 The prompt runs through the blocks' sequence path (MambaLM.prefill, impl=), each new token through the
 decode step (MambaLM.step); on CUDA the step is replayed from a CUDA graph unless cuda_graph=False.
-Prompts of different lengths (a list of lists) are prefilled one at a time, each into its own row of
+Prompts of different lengths (a list of lists) are prefilled as packed sequences in one call where the
+path takes them (impl 'unfused'; the reference on the CPU), else one at a time, each into its own row of
 the decode cache, and then decoded together: each sequence's tokens are those of generating it alone
 (no padding, which a Mamba's state would absorb); generate returns a list of 1-D tensors for them.
 Sampling follows transformers: logits / temperature, then top-k (tokens below the k-th largest logit
@@ -206,8 +207,19 @@ def _stream(model, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eo
 
 
 def _prefill_rows(model, prompts: list, cache, impl):
-    """Each prompt (1-D) through the blocks' sequence path alone, its final states written into its row
-    of the cache; returns the last position's logits of every prompt (batch, padded vocab)."""
+    """Each prompt (1-D) through the blocks' sequence path as if alone, its final states written into its
+    row of the cache; returns the last position's logits of every prompt (batch, padded vocab). Where
+    the path takes packed sequences natively (impl 'unfused', or the reference on the CPU), the prompts
+    go through in one packed call (cu_seqlens); elsewhere one call per prompt."""
+    path = impl or model.impl
+    device = prompts[0].device
+    if path == "unfused" or (device.type == "cpu" and path in ("auto", "reference")):
+        lengths = torch.tensor([len(p) for p in prompts])
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+        logits, states = model(torch.cat(prompts)[None], states=cache.states(), return_states=True, impl=impl,
+                               cu_seqlens=cu, validate=False, logits_rows=cu[1:].long() - 1)
+        cache.copy_(states)
+        return logits[0]
     rows = [MambaCache([t[s:s + 1] for t in cache.ssm_states], [t[s:s + 1] for t in cache.conv_states])
             for s in range(len(prompts))]  # views of the cache's rows: prefill writes through them
     return torch.cat([model.prefill(p[None], row, impl=impl) for p, row in zip(prompts, rows)])

@@ -321,7 +321,7 @@ class MambaLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, states: list | None = None, return_states: bool = False,
                 impl: str | None = None, num_last_tokens: int = 0, cu_seqlens: torch.Tensor | None = None,
-                validate: bool = True):
+                validate: bool = True, logits_rows: torch.Tensor | None = None):
         """input_ids (batch, L) -> logits (batch, L, padded vocab) in the model's dtype, or with
         return_states=True (logits, states): per layer (ssm_state (batch, d_inner, N) float32, conv_state
         (batch, d_inner, d_conv - 1)) after the last token; passing them back as states= continues the
@@ -332,7 +332,9 @@ class MambaLM(nn.Module):
         (1, total_tokens) holding num_seqs sequences one after another, and the states (given and
         returned) are per sequence, (num_seqs, ...): each sequence's logits and states are those of
         running it alone (the blocks' packed paths: selscan_fused.mamba_block). num_last_tokens does not
-        apply (the sequences end at different rows: take logits[0, cu_seqlens[1:] - 1])."""
+        apply (the sequences end at different rows): logits_rows=cu_seqlens[1:] - 1 computes the logits of
+        each sequence's last token only, (1, num_seqs, padded vocab). logits_rows (a LongTensor of
+        positions) selects the positions of any call the same way."""
         if cu_seqlens is not None and num_last_tokens:
             raise ValueError("selscan_fused: num_last_tokens does not apply to packed sequences (cu_seqlens); take "
                              "the rows cu_seqlens[1:] - 1 of the logits")
@@ -357,6 +359,8 @@ class MambaLM(nn.Module):
         residual = hidden if residual is None else hidden + residual
         if num_last_tokens > 0:
             residual = residual[:, -num_last_tokens:]
+        if logits_rows is not None:
+            residual = residual[:, logits_rows]
         hidden = self.backbone.norm_f(residual.to(self.backbone.norm_f.weight.dtype))
         logits = self.lm_head(hidden)
         return (logits, new_states) if return_states else logits

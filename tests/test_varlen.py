@@ -569,3 +569,8 @@ def test_language_model_packed_equals_each_sequence_alone():
             a, b = a + n, b + k
     with pytest.raises(ValueError, match="num_last_tokens"):
         m(ids, cu_seqlens=cu, num_last_tokens=1)
+    # each sequence's last logits only
+    with torch.no_grad():
+        last = m(ids, cu_seqlens=cu, logits_rows=cu[1:].long() - 1)
+    assert last.shape == (1, len(lengths), logits.shape[-1])
+    torch.testing.assert_close(last[0], logits[0, cu[1:].long() - 1], rtol=1e-12, atol=1e-12)
