@@ -574,3 +574,28 @@ def test_language_model_packed_equals_each_sequence_alone():
         last = m(ids, cu_seqlens=cu, logits_rows=cu[1:].long() - 1)
     assert last.shape == (1, len(lengths), logits.shape[-1])
     torch.testing.assert_close(last[0], logits[0, cu[1:].long() - 1], rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+@requires_extension
+def test_packed_block_compiled_once_for_any_number_of_sequences():
+    """torch.compile(dynamic=True) of a packed forward traces once: a call with another number of
+    sequences (cu_seqlens of another length) and another packed length reuses the graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    fresh_seed()
+    block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
+    block.impl = "unfused"
+    cnt = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=cnt, dynamic=True, fullgraph=True)
+    def fwd(xx, cc):
+        return block(xx, cu_seqlens=cc, validate=False)
+
+    torch._dynamo.reset()
+    for lengths in ([100, 1, 250, 149], [7, 300, 5, 90, 60], [33, 2]):
+        x = torch.randn(1, sum(lengths), 32, device="cuda")
+        cu = cu_of(lengths, "cuda")
+        with torch.no_grad():
+            out = fwd(x, cu)
+            assert rel_l2(out, block(x, cu_seqlens=cu)) < 1e-6
+    assert cnt.frame_count == 1, cnt.frame_count
