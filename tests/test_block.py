@@ -272,11 +272,12 @@ def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_o
 @requires_transformers
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unfused_against_hugging_face_on_the_gpu(dtype):
-    """The unfused path and transformers' MambaMixer (its PyTorch forward; float32, same weights)."""
+def test_cuda_against_hugging_face_on_the_gpu(dtype, impl):
+    """Each CUDA path and transformers' MambaMixer (its PyTorch forward; float32, same weights)."""
     fresh_seed()
-    block = cuda_block(128, 16, 4, False, "unfused")
+    block = cuda_block(128, 16, 4, False, impl)
     rblock = rounded(block, dtype)
     mixer = hf_mixer(rblock)
     x = torch.randn(2, 257, 128, device="cuda").to(dtype)
