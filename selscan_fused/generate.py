@@ -53,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--impl", default="auto", choices=["auto", "unfused", "reference"],
+    p.add_argument("--impl", default="auto", choices=["auto", "unfused", "fused", "reference"],
                    help="the blocks' path for the prompt (default auto)")
+    p.add_argument("--decode-impl", default="auto", choices=["auto", "kernel", "torch"],
+                   help="the decode step's path (default auto; kernel: the decode kernels, CUDA)")
     p.add_argument("--no-cuda-graph", action="store_true", help="do not replay the decode step from a CUDA graph")
     p.add_argument("--print-ids", action="store_true", help="print token ids even when a tokenizer is available")
     return p
@@ -92,10 +94,21 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = MambaLM.from_pretrained(args.model, device=device, dtype=dtype, impl=args.impl).eval()
+    model.decode_impl = args.decode_impl
+    if args.decode_impl == "kernel":
+        from .decode import decode_kernel_reason
+        m = model.backbone.layers[0].mixer
+        reason = decode_kernel_reason(torch.empty(1, model.config.d_model, device=device, dtype=dtype), m.d_state,
+                                      m.dt_rank, m.d_conv)
+        if reason is not None:
+            print(f"error: --decode-impl kernel cannot run here: {reason}; use --decode-impl torch (impl='torch')",
+                  file=err)
+            return 2
     info = model.checkpoint_info
     c = model.config
     print(f"selscan_fused: {info['path']}: {info['layout_name']} ({', '.join(info['files'])}); {c.n_layer} layers, "
-          f"d_model {c.d_model}, vocabulary {c.padded_vocab_size}; {dtype} on {device}, impl {args.impl}", file=err)
+          f"d_model {c.d_model}, vocabulary {c.padded_vocab_size}; {dtype} on {device}, impl {args.impl}, "
+          f"decode {args.decode_impl}", file=err)
     eos = None if args.ignore_eos else (args.eos if args.eos is not None else c.eos_token_id)
     generator = None
     if args.temperature > 0 and args.seed is not None:

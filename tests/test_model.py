@@ -494,6 +494,14 @@ def test_command_line_with_ids_and_with_a_tokenizer(tmp_path):
     assert [int(t) for t in r.stdout.split()] == expect
     r = _run_cli("--model", str(tmp_path), "--prompt", "hello", "--device", "cpu")
     assert r.returncode == 2 and "give the prompt's token ids with --ids" in r.stderr
+    # the decode step's path is named on the command line (the kernel needs CUDA: a clear error here)
+    r = _run_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
+                 "--decode-impl", "torch")
+    assert r.returncode == 0 and "decode torch" in r.stderr, r.stderr
+    assert [int(t) for t in r.stdout.split()] == expect[:5]
+    r = _run_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
+                 "--decode-impl", "kernel")
+    assert r.returncode == 2 and "--decode-impl kernel cannot run here" in r.stderr and "CUDA" in r.stderr
     # sampled, seeded: the same twice
     args = ("--model", str(tmp_path), "--ids", "1,2", "--max-new-tokens", "6", "--device", "cpu", "--temperature",
             "0.8", "--top-k", "10", "--seed", "3")
