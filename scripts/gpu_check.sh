@@ -91,6 +91,22 @@ if [ "${SELSCAN_GPU_CHECK_MICRO:-0}" = 1 ]; then
   done
   extra+="$(cat "$LOG/micro.log")"$'\n'
 fi
+# SELSCAN_GPU_CHECK_EXTRA=block,decode,varlen,throughput: the block's, the language model's and the
+# packed sequences' benchmarks into LOGDIR (CSV + log each; mamba-ssm's rows where its kernels import).
+extras=",${SELSCAN_GPU_CHECK_EXTRA:-},"
+for what in block decode varlen throughput; do
+  [[ $extras == *,$what,* ]] || continue
+  case $what in
+    block) run=(benchmarks/block_bench.py --impls unfused,fused,mamba-ssm --csv "$LOG/block_bench.csv") ;;
+    decode) run=(benchmarks/decode_bench.py --csv "$LOG/decode_bench.csv" --prefill 1,4,16
+                 --prefill-csv "$LOG/prefill_bench.csv") ;;
+    varlen) run=(benchmarks/varlen_bench.py --csv "$LOG/varlen_bench.csv") ;;
+    throughput) run=(benchmarks/inference_throughput.py --csv "$LOG/inference_throughput.csv"
+                     --png "$LOG/inference_throughput.png") ;;
+  esac
+  $PY "${run[@]}" > "$LOG/$what.log" 2>&1 || status=1
+  extra+="$what: $(tail -n 3 "$LOG/$what.log")"$'\n'
+done
 results=",${SELSCAN_GPU_CHECK_RESULTS:-},"
 for what in table figure; do
   [[ $results == *,$what,* ]] || continue
