@@ -16,29 +16,37 @@
 #pragma once
 #include <cstdint>
 
+// Host and device: the kernels use these, and tests/test_seq_map.py runs them on the host (a plain C++
+// build) over random length mixes.
+// Internal linkage: the CUDA and the plain C++ translation units each get their own copy.
+#ifdef __CUDACC__
+#define SELSCAN_SEQ_FN static __host__ __device__ __forceinline__
+#else
+#define SELSCAN_SEQ_FN static inline
+#endif
+
 namespace selscan {
 
 inline int64_t packed_slots(int64_t total, int64_t num_seqs, int64_t tile) { return total / tile + num_seqs; }
 
-#ifdef __CUDACC__
 struct SeqRange {
   int64_t start, len;
 };
 
-__device__ __forceinline__ SeqRange seq_range(const int32_t* __restrict__ cu, int64_t s, int64_t total) {
+SELSCAN_SEQ_FN SeqRange seq_range(const int32_t* __restrict__ cu, int64_t s, int64_t total) {
   int64_t a = cu[s], b = cu[s + 1];
   a = a < 0 ? 0 : (a > total ? total : a);
   b = b < a ? a : (b > total ? total : b);
   return {a, b - a};
 }
 
-__device__ __forceinline__ int64_t seq_first_slot(int64_t start, int64_t s, int64_t tile) { return start / tile + s; }
+SELSCAN_SEQ_FN int64_t seq_first_slot(int64_t start, int64_t s, int64_t tile) { return start / tile + s; }
 
 // The sequence whose slots hold slot j: the last s with seq_first_slot(start_s, s) <= j (a binary search
 // over num_seqs + 1 entries; the first slots are non-decreasing in s and step at least 1). Returns the
 // sequence, its range and the slot's index inside it (which may be past the sequence's own slots: a gap).
-__device__ __forceinline__ int64_t seq_of_slot(const int32_t* __restrict__ cu, int64_t num_seqs, int64_t total,
-                                               int64_t tile, int64_t j, SeqRange* range, int64_t* index) {
+SELSCAN_SEQ_FN int64_t seq_of_slot(const int32_t* __restrict__ cu, int64_t num_seqs, int64_t total, int64_t tile,
+                                   int64_t j, SeqRange* range, int64_t* index) {
   int64_t lo = 0, hi = num_seqs - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
@@ -49,6 +57,5 @@ __device__ __forceinline__ int64_t seq_of_slot(const int32_t* __restrict__ cu, i
   *index = j - seq_first_slot(range->start, lo, tile);
   return lo;
 }
-#endif
 
 }  // namespace selscan
