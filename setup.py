@@ -135,7 +135,7 @@ ext_modules, cmdclass = extension_modules()
 
 setup(
     name="selscan_fused",
-    version="0.2.1",
+    version="0.3.0.dev0",
     description="Selective state-space (Mamba-1 style) scan layer for PyTorch with a fused Hopper kernel",
     packages=find_packages(include=["selscan_fused", "selscan_fused.*"]),
     python_requires=">=3.10",

@@ -15,7 +15,7 @@ from .module import SelectiveScan
 from .model import MambaLM, MambaLMConfig
 from .generation import generate, stream_generate
 
-__version__ = "0.2.1"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "selective_scan",
