@@ -45,6 +45,19 @@ inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor
   }
 }
 
+// cu_seqlens' metadata (its values are the caller's: checked on the host by selscan_fused.varlen unless
+// validate=False, clamped on the device either way). Returns num_seqs.
+inline int64_t check_cu_seqlens_arg(const at::Tensor& cu, const at::Tensor& x, int64_t total) {
+  TORCH_CHECK(cu.device() == x.device(), "selscan_fused: cu_seqlens is on ", cu.device(), " but x is on ",
+              x.device(), "; all tensors must be on the same device");
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "selscan_fused: cu_seqlens must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "selscan_fused: cu_seqlens must have shape (num_seqs + 1,) with "
+              "num_seqs >= 1, got ", cu.sizes());
+  TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), "selscan_fused: the packed length ", total,
+              " does not fit cu_seqlens' int32 values");
+  return cu.size(0) - 1;
+}
+
 // x's width against the parameters': when every parameter agrees on a d_model other than x's last
 // dimension, the mistake is x's, and the message says so (rather than blaming the first parameter).
 inline void check_x_width(const at::Tensor& x, const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,

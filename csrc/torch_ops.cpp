@@ -309,19 +309,6 @@ std::vector<int64_t> scan_plan_op(const at::Tensor& x, int64_t dstate, int64_t l
 
 // ---- Packed sequences (common/seq_map.h): num_seqs sequences stored one after another in one row.
 
-// cu_seqlens' metadata (its values are the caller's: checked on the host by selscan_fused.varlen unless
-// validate=False, clamped on the device either way). Returns num_seqs.
-int64_t check_cu_seqlens_arg(const at::Tensor& cu, const at::Tensor& x, int64_t total) {
-  TORCH_CHECK(cu.device() == x.device(), "selscan_fused: cu_seqlens is on ", cu.device(), " but x is on ",
-              x.device(), "; all tensors must be on the same device");
-  TORCH_CHECK(cu.scalar_type() == at::kInt, "selscan_fused: cu_seqlens must be int32, got ", cu.scalar_type());
-  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "selscan_fused: cu_seqlens must have shape (num_seqs + 1,) with "
-              "num_seqs >= 1, got ", cu.sizes());
-  TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), "selscan_fused: the packed length ", total,
-              " does not fit cu_seqlens' int32 values");
-  return cu.size(0) - 1;
-}
-
 // The packed arguments both directions share: x (1, total, D), delta (1, total, D), bc (1, total, 2N), the
 // channel parameters, h0 (num_seqs, D, N). Returns (num_seqs, total, D, N).
 std::tuple<int64_t, int64_t, int64_t, int64_t> check_packed(const at::Tensor& delta, const at::Tensor& bc,

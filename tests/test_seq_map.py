@@ -69,6 +69,7 @@ def test_the_checker_catches_a_wrong_map(checker, tmp_path):
     assert wrong != src
     (tmp_path / "common").mkdir()
     (tmp_path / "common" / "seq_map.h").write_text(wrong)
+    shutil.copy(os.path.join(REPO, "csrc", "common", "checkpoints.h"), tmp_path / "common")  # its include
     exe = tmp_path / "wrong_check"
     cxx = shutil.which("g++") or shutil.which("c++")
     out = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(tmp_path),

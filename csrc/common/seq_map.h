@@ -16,6 +16,8 @@
 #pragma once
 #include <cstdint>
 
+#include "checkpoints.h"
+
 // Host and device: the kernels use these, and tests/test_seq_map.py runs them on the host (a plain C++
 // build) over random length mixes.
 // Internal linkage: the CUDA and the plain C++ translation units each get their own copy.
@@ -56,6 +58,26 @@ SELSCAN_SEQ_FN int64_t seq_of_slot(const int32_t* __restrict__ cu, int64_t num_s
   *range = seq_range(cu, lo, total);
   *index = j - seq_first_slot(range->start, lo, tile);
   return lo;
+}
+
+// The rows of one scan work item (both scan kernels, forward and backward): sequence b's tokens
+// [t_begin, t_end) of segment seg, its first row and its first checkpoint slot. Packed: the whole
+// sequence from cu_seqlens (never split), its checkpoints from seq_first_slot; a batch: segment seg of
+// seg_len tokens, the sequence at row b * seqlen, its checkpoints at b * ckpt_count(seqlen).
+struct ItemRows {
+  int64_t t_begin, t_end, row0, ckpt0;
+};
+
+template <bool kPacked>
+SELSCAN_SEQ_FN ItemRows item_rows(const int32_t* __restrict__ cu, int64_t b, int64_t seg, int64_t seg_len,
+                                  int64_t seqlen) {
+  if constexpr (kPacked) {
+    const SeqRange r = seq_range(cu, b, seqlen);
+    return {0, r.len, r.start, seq_first_slot(r.start, b, kCkptEvery)};
+  } else {
+    const int64_t t0 = seg * seg_len, t1 = t0 + seg_len;
+    return {t0, t1 < seqlen ? t1 : seqlen, b * seqlen, b * ckpt_count(seqlen)};
+  }
 }
 
 }  // namespace selscan

@@ -77,11 +77,7 @@ int64_t check_packed_conv(const at::Tensor& x, const ConvDims& d, const at::Tens
                           const c10::optional<at::Tensor>& initial_state) {
   TORCH_CHECK(d.batch == 1, "selscan_fused: causal_conv1d: packed sequences take x of shape (1, total_tokens, C), "
               "got ", x.sizes());
-  TORCH_CHECK(cu.device() == x.device(), "selscan_fused: cu_seqlens is on ", cu.device(), " but x is on ", x.device());
-  TORCH_CHECK(cu.scalar_type() == at::kInt, "selscan_fused: cu_seqlens must be int32, got ", cu.scalar_type());
-  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "selscan_fused: cu_seqlens must have shape (num_seqs + 1,) with "
-              "num_seqs >= 1, got ", cu.sizes());
-  const int64_t S = cu.size(0) - 1;
+  const int64_t S = check_cu_seqlens_arg(cu, x, d.L);
   if (initial_state) {
     check_tensor(*initial_state, "initial_state (causal_conv1d)", x, {S, d.C, d.W - 1}, at::kFloat,
                  " (one per sequence: num_seqs from cu_seqlens, C from x's last dimension, W - 1 from weight)");

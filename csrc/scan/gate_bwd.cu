@@ -5,7 +5,6 @@
 
 #include <climits>
 
-#include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
 #include "gate_bwd.h"
 
@@ -55,10 +54,8 @@ cudaError_t launch_typed(const GateBwdParams& p, cudaStream_t stream) {
                    aligned(p.dyu, 16) && aligned(p.dz, 16) && p.dy_batch_stride % kVec == 0 &&
                    p.dy_token_stride % kVec == 0 && p.z_batch_stride % kVec == 0 && p.z_token_stride % kVec == 0;
   const int64_t items = p.batch * p.seqlen * (vec ? p.dim / kVec : p.dim);
-  int device = 0, sms = 0;
-  SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
-  SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t want = (items + kThreads - 1) / kThreads, cap = int64_t(sms) * 16;
+  // A grid-stride loop: enough CTAs to fill any GPU, no device query per launch.
+  const int64_t want = (items + kThreads - 1) / kThreads, cap = int64_t(1) << 14;
   const unsigned grid = unsigned(want < cap ? want : cap);
   if (vec) gate_bwd_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(p);
   else gate_bwd_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);

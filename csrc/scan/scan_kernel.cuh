@@ -98,18 +98,11 @@ __device__ __forceinline__ Item<Tr> decode_item(const ScanParams& p, int64_t ite
   it.b = (item / n_tiles) % p.batch;
   it.seg = item / (n_tiles * p.batch);
   it.d0 = it.tile * Tr::kDc;
-  if constexpr (kPacked) {  // the whole sequence, never split
-    const SeqRange r = seq_range(p.cu_seqlens, it.b, p.seqlen);
-    it.t_begin = 0;
-    it.t_end = r.len;
-    it.row0 = r.start;
-    it.ckpt0 = seq_first_slot(r.start, it.b, kCkptEvery);
-  } else {
-    it.t_begin = it.seg * p.seg_len;
-    it.t_end = min_i64(p.seqlen, it.t_begin + p.seg_len);
-    it.row0 = it.b * p.seqlen;
-    it.ckpt0 = it.b * ckpt_count(p.seqlen);
-  }
+  const ItemRows r = item_rows<kPacked>(p.cu_seqlens, it.b, it.seg, p.seg_len, p.seqlen);
+  it.t_begin = r.t_begin;
+  it.t_end = r.t_end;
+  it.row0 = r.row0;
+  it.ckpt0 = r.ckpt0;
   return it;
 }
 
