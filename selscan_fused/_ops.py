@@ -149,6 +149,31 @@ def _gated_scan_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _gate_backward(dy, z, yu):
+    """(dyu, dz) of the block's gate y = yu * silu(z) for dy (None: zeros), shared by every gated
+    backward: one kernel (gate_bwd, csrc/scan/gate_bwd.cu) when the dtypes agree, the same formula in
+    float32 PyTorch otherwise (dyu = dy z s, dz = dy yu s (1 + z (1 - s)), s = sigmoid(z))."""
+    if dy is None:
+        return torch.zeros_like(yu), torch.zeros_like(z)
+    if dy.dtype == yu.dtype == z.dtype and dy.dim() == 3:
+        return torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(),
+                                                z if z.stride(-1) == 1 else z.contiguous(), yu)
+    zf = z.float()
+    s = torch.sigmoid(zf)
+    dyf = dy.float()
+    return (dyf * zf * s).to(yu.dtype), (dyf * yu.float() * s * (1 + zf * (1 - s))).to(z.dtype)
+
+
+def _gated_fake(u, A_log, return_final_state, training):
+    """gated_scan_fwd's and fused_block_fwd's outputs: y, the final state, the checkpoints and y before
+    the gate (the last two empty along the batch unless training)."""
+    y, h = _fake_outputs(u, A_log, return_final_state)
+    batch, L, Dm = u.shape
+    ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
+                                                              A_log.shape[1]), dtype=torch.float32)
+    return y, h, ckpt, u.new_empty((batch if training else 0, L, Dm))
+
+
 def _gated_scan_backward(ctx, dy, dhT, *unused):
     """The gate's derivative (one kernel, gate_bwd), then the backward scan kernel (scan_bwd):
     y = yu * silu(z): dyu = dy * silu(z), dz = dy * yu * silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)."""
@@ -159,17 +184,7 @@ def _gated_scan_backward(ctx, dy, dhT, *unused):
     Dm = u.shape[-1]
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    if dy is None:
-        dyu = torch.zeros_like(u)
-        dz = torch.zeros_like(z)
-    elif dy.dtype == yu.dtype == z.dtype and dy.dim() == 3 and dy.stride(-1) == 1 and z.stride(-1) == 1:
-        dyu, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)  # the same math, one kernel (csrc/scan/gate_bwd.cu)
-    else:
-        zf = z.float()
-        s = torch.sigmoid(zf)
-        dyf = dy.float()
-        dyu = (dyf * zf * s).to(u.dtype)
-        dz = (dyf * yu.float() * s * (1 + zf * (1 - s))).to(z.dtype)
+    dyu, dz = _gate_backward(dy, z, yu)
     dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b_delta, D, h0, dyu, dhT,
                                                                     ckpt, ctx.l_segments)
     return (dP[..., :Dm], dP[..., Dm:], du, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
@@ -179,12 +194,7 @@ if extension_available():
 
     @torch.library.register_fake("selscan_fused::gated_scan_fwd")
     def _gated_scan_fwd_fake(delta, bc, u, z, A_log, b_delta, D, h0, return_final_state, training, l_segments):
-        y, h = _fake_outputs(u, A_log, return_final_state)
-        batch, L, Dm = u.shape
-        ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
-                                                                  A_log.shape[1]), dtype=torch.float32)
-        yu = u.new_empty((batch if training else 0, L, Dm))
-        return y, h, ckpt, yu
+        return _gated_fake(u, A_log, return_final_state, training)
 
     @torch.library.register_fake("selscan_fused::gate_bwd")
     def _gate_bwd_fake(dy, z, yu):
@@ -219,17 +229,10 @@ def _packed_backward(ctx, dy, dhT, *unused):
     delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt, yu = ctx.saved_tensors
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    dz = None
-    if dy is None:
-        dyx = torch.zeros_like(x)
-        dz = torch.zeros_like(z) if z is not None else None
+    if z is not None:
+        dyx, dz = _gate_backward(dy, z, yu)
     else:
-        dy = dy.to(x.dtype)
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        if z is not None:
-            dyx, dz = torch.ops.selscan_fused.gate_bwd(dy, z if z.stride(-1) == 1 else z.contiguous(), yu)
-        else:
-            dyx = dy
+        dyx, dz = (torch.zeros_like(x) if dy is None else dy), None
     dP, dx, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd_packed(delta, bc, x, A_log, b_delta, D, h0, dyx,
                                                                           dhT, ckpt, cu_seqlens)
     Dm = x.shape[-1]
@@ -283,12 +286,7 @@ def _fused_block_backward(ctx, dy, dhT, *unused):
     dt_low, bc = xdbl[..., :R], xdbl[..., R:]
     with torch.autocast("cuda", enabled=False):
         delta = torch.nn.functional.linear(dt_low, dt_w)
-        if dy is None:
-            dyu, dz = torch.zeros_like(u), torch.zeros_like(z)
-        else:
-            dy = dy.to(u.dtype)
-            dyu, dz = torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(),
-                                                       z if z.stride(-1) == 1 else z.contiguous(), yu)
+        dyu, dz = _gate_backward(dy, z, yu)
         dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dyu, dhT,
                                                                         ckpt, ctx.l_segments)
         d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
@@ -302,12 +300,7 @@ if fused_extension_available():
 
     @torch.library.register_fake("selscan_fused::fused_block_fwd")
     def _fused_block_fwd_fake(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, return_final_state, training, l_segments):
-        y, h = _fake_outputs(u, A_log, return_final_state)
-        batch, L, Dm = u.shape
-        ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
-                                                                  A_log.shape[1]), dtype=torch.float32)
-        yu = u.new_empty((batch if training else 0, L, Dm))
-        return y, h, ckpt, yu
+        return _gated_fake(u, A_log, return_final_state, training)
 
     torch.library.register_autograd("selscan_fused::fused_block_fwd", _fused_block_backward,
                                     setup_context=_fused_block_setup)
