@@ -33,6 +33,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 from selscan_fused.block import block_unsupported_reason  # noqa: E402
 from selscan_fused.decode import decode_kernel_reason  # noqa: E402
 from selscan_fused.generation import CUDAGraphStep  # noqa: E402
@@ -56,14 +58,6 @@ def floor_ms(model: MambaLM, batch: int) -> float:
     m = model.backbone.layers[0].mixer
     state = len(model.backbone.layers) * batch * m.d_inner * (m.d_state * 4 + (m.d_conv - 1) * 2)
     return (weights + 2 * state) / BANDWIDTH * 1e3
-
-
-def _mamba_ssm_imports() -> bool:
-    try:
-        import mamba_ssm  # type: ignore  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def time_replays(step, reps: int, cuda: bool) -> float:
@@ -110,18 +104,15 @@ def mamba_ssm_step(model: MambaLM, batch: int, reps: int):
     if model.lm_head.weight.device.type != "cuda":
         return None, "unavailable: needs CUDA"
     try:
-        from mamba_ssm.models.config_mamba import MambaConfig  # type: ignore
-        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel  # type: ignore
         from mamba_ssm.utils.generation import InferenceParams  # type: ignore
         import causal_conv1d  # type: ignore  # noqa: F401
     except Exception as e:  # noqa: BLE001  (any import failure: the row says why)
         return None, f"unavailable: {type(e).__name__}: {e}"
+    peer, why = peers.mamba_lm(model)
+    if peer is None:
+        return None, f"unavailable: {why}"
     c = model.config
-    cfg = MambaConfig(d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.vocab_size,
-                      pad_vocab_size_multiple=c.pad_vocab_size_multiple, tie_embeddings=c.tie_embeddings)
     w = model.lm_head.weight
-    peer = MambaLMHeadModel(cfg, device=w.device, dtype=w.dtype).eval()
-    peer.load_state_dict(model.state_dict(), strict=False)
     ip = InferenceParams(max_seqlen=32, max_batch_size=batch)
     ip.key_value_memory_dict = peer.allocate_inference_cache(batch, 32, dtype=w.dtype)
     ids = torch.randint(0, c.vocab_size, (batch, 16), device=w.device)
@@ -141,7 +132,7 @@ def mamba_ssm_step(model: MambaLM, batch: int, reps: int):
     return time_replays(graph.replay, reps, True), "ok"
 
 
-def prefill_rows(model: MambaLM, batches, length: int, reps: int, peer_ok: bool):
+def prefill_rows(model: MambaLM, batches, length: int, reps: int):
     """Prefill (the forward of a whole prompt into the decode cache): ours on each sequence path
     available, and mamba-ssm's forward of the same model; CUDA events, median of reps."""
     device = model.lm_head.weight.device
@@ -164,7 +155,7 @@ def prefill_rows(model: MambaLM, batches, length: int, reps: int, peer_ok: bool)
             with torch.no_grad():
                 res[impl] = (time_replays(run, reps, device.type == "cuda"), "ok")
         res["mamba-ssm"] = (None, "unavailable: needs CUDA") if device.type != "cuda" else _peer_prefill(
-            model, ids, reps) if peer_ok else (None, "unavailable: mamba_ssm does not import")
+            model, ids, reps)
         peer = res["mamba-ssm"][0]
         for path, (ms, status) in res.items():
             rows.append(dict(batch=batch, length=length, path=path, ms="" if ms is None else f"{ms:.3f}",
@@ -173,17 +164,9 @@ def prefill_rows(model: MambaLM, batches, length: int, reps: int, peer_ok: bool)
 
 
 def _peer_prefill(model: MambaLM, ids, reps):
-    try:
-        from mamba_ssm.models.config_mamba import MambaConfig  # type: ignore
-        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel  # type: ignore
-    except Exception as e:  # noqa: BLE001
-        return None, f"unavailable: {type(e).__name__}: {e}"
-    c = model.config
-    w = model.lm_head.weight
-    peer = MambaLMHeadModel(MambaConfig(d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.vocab_size,
-                                        pad_vocab_size_multiple=c.pad_vocab_size_multiple),
-                            device=w.device, dtype=w.dtype).eval()
-    peer.load_state_dict(model.state_dict(), strict=False)
+    peer, why = peers.mamba_lm(model)
+    if peer is None:
+        return None, f"unavailable: {why}"
     with torch.no_grad():
         ms = time_replays(lambda: peer(ids, num_last_tokens=1), reps, True)
     return ms, "ok"
@@ -219,8 +202,7 @@ def main(argv=None):
                 print(f"{size:>5} {batch:>5} {path:>10} {row['ms_per_token'] or '-':>9} {fl:7.3f} "
                       f"{row['x_floor'] or '-':>8} {row['vs_mamba_ssm'] or '-':>12}  {status}")
         if args.prefill:
-            prows = prefill_rows(model, [int(b) for b in args.prefill.split(",")], args.prefill_len, args.reps,
-                                 _mamba_ssm_imports())
+            prows = prefill_rows(model, [int(b) for b in args.prefill.split(",")], args.prefill_len, args.reps)
             for r in prows:
                 r["size"] = size
                 print(f"prefill {size:>5} {r['batch']:>4}x{r['length']} {r['path']:>10}: {r['ms'] or '-':>9} ms "

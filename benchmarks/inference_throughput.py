@@ -29,6 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 import selscan_fused  # noqa: E402
 from selscan_fused.block import block_unsupported_reason  # noqa: E402
 from selscan_fused.decode import decode_kernel_reason  # noqa: E402
@@ -62,14 +64,9 @@ def build_transformer(tiny, device, dtype):
 
 
 def build_mamba_ssm(ours: MambaLM):
-    from mamba_ssm.models.config_mamba import MambaConfig  # type: ignore
-    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel  # type: ignore
-    c = ours.config
-    w = ours.lm_head.weight
-    peer = MambaLMHeadModel(MambaConfig(d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.vocab_size,
-                                        pad_vocab_size_multiple=c.pad_vocab_size_multiple),
-                            device=w.device, dtype=w.dtype).eval()
-    peer.load_state_dict(ours.state_dict(), strict=False)
+    peer, why = peers.mamba_lm(ours)
+    if peer is None:
+        raise ImportError(why)
     return peer
 
 

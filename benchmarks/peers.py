@@ -6,6 +6,7 @@ driven the way a mamba-ssm user drives them for this layer: cuBLAS projections i
 points (fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> [out, x, ...] and bwd(...)).
 
     available()            whether selective_scan_cuda imports
+    mamba_lm(model)        mamba-ssm's MambaLMHeadModel with a selscan_fused.MambaLM's config and weights
     user_path(x, A_log, W_delta, b_delta, W_B, W_C, D) -> y   differentiable (mamba's backward kernel)
     scan_only(u, delta, A, B, C, D, delta_bias)       -> y   the scan kernel alone, (batch, D, L) inputs
 """
@@ -54,3 +55,22 @@ def user_path(x, A_log, W_delta, b_delta, W_B, W_C, D):
 
 def scan_only(u, delta, A, B, C, D, delta_bias):
     return selective_scan_cuda.fwd(u, delta, A, B, C, D, None, delta_bias, True)[0]
+
+
+def mamba_lm(model):
+    """mamba-ssm's MambaLMHeadModel built with `model`'s (a selscan_fused.MambaLM) configuration, device and
+    dtype, holding its weights (the same names); (peer, None), or (None, why) when mamba_ssm does not
+    import (its Python package and kernels: the peers' build scripts)."""
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig  # type: ignore
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel  # type: ignore
+    except Exception as e:  # noqa: BLE001  (any import failure: the caller's rows say why)
+        return None, f"{type(e).__name__}: {e}"
+    c = model.config
+    w = model.lm_head.weight
+    peer = MambaLMHeadModel(MambaConfig(d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.vocab_size,
+                                        pad_vocab_size_multiple=c.pad_vocab_size_multiple,
+                                        tie_embeddings=c.tie_embeddings),
+                            device=w.device, dtype=w.dtype).eval()
+    peer.load_state_dict(model.state_dict(), strict=False)
+    return peer, None

@@ -18,7 +18,6 @@ import argparse
 import csv
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -26,6 +25,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import selscan_fused  # noqa: E402
 from selscan_fused.block import block_unsupported_reason  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import median_ms  # noqa: E402
 
 FIELDS = ["layout", "tokens", "num_seqs", "longest", "fwd_ms", "step_ms", "fwd_vs_one", "step_vs_one", "status"]
 
@@ -37,17 +39,9 @@ def draw_lengths(n: int, seed: int) -> list[int]:
 
 
 def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
+    for _ in range(3):  # warm-up (plans, allocator)
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps, flush=False)  # inputs far larger than the L2
 
 
 def main(argv=None):
