@@ -5,12 +5,13 @@ Pythia-1.4B's configuration, SDPA attention, its static cache, greedy generate).
 does not depend on them; every model generates all 128 tokens: no end-of-sequence token).
 
     python benchmarks/inference_throughput.py [--batches 1,2,4,8,16,32,64,128] [--prompt 2048] [--gen 128]
-        [--models ours,ours-kernel,ours-fused,mamba-ssm,transformer] [--csv docs/inference_throughput.csv]
+        [--models ours,ours-torch,ours-fused,mamba-ssm,transformer] [--csv docs/inference_throughput.csv]
         [--png docs/inference_throughput.png]
 
 Rows: ours (selscan_fused.generate: the prefill through the blocks' sequence path, impl='auto', then the
-decode step under a CUDA graph, decode_impl='auto'), ours-kernel (the same with decode_impl='kernel'),
-ours-fused (the prefill through the blocks' fused path, impl='fused' (H100/H200), and the decode kernels),
+decode step under a CUDA graph, decode_impl='auto': the decode kernels on CUDA), ours-torch (the same with
+the step in PyTorch operations, decode_impl='torch'), ours-fused (the prefill through the blocks' fused
+path, impl='fused' (H100/H200), and the decode kernels),
 mamba-ssm (its generate(cg=True): its prefill, then its step under its cached CUDA graph), transformer.
 Each point: one untimed call (warm-up, graph capture and kernel autotuning included there), then the
 median wall time of --reps calls (CUDA synchronised at both ends); throughput = batch x gen / time, the
@@ -72,9 +73,9 @@ def build_mamba_ssm(ours: MambaLM):
 
 def generator(name, model, gen):
     """A function ids -> generated ids for `name`."""
-    if name in ("ours", "ours-kernel", "ours-fused"):
+    if name in ("ours", "ours-torch", "ours-fused"):
         def run(ids):
-            model.decode_impl = "auto" if name == "ours" else "kernel"
+            model.decode_impl = {"ours": "auto", "ours-torch": "torch"}.get(name, "kernel")
             model.set_impl("fused" if name == "ours-fused" else "auto")
             try:
                 return selscan_fused.generate(model, ids, gen, cuda_graph=ids.is_cuda)
@@ -107,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--models", default="ours,ours-kernel,ours-fused,mamba-ssm,transformer")
+    ap.add_argument("--models", default="ours,ours-torch,ours-fused,mamba-ssm,transformer")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
@@ -122,7 +123,7 @@ def main(argv=None):
     for name in args.models.split(","):
         status0 = None
         try:
-            if name in ("ours", "ours-kernel", "ours-fused", "mamba-ssm"):
+            if name in ("ours", "ours-torch", "ours-fused", "mamba-ssm"):
                 ours = ours or build_ours(args.tiny, device, dtype)
                 model = build_mamba_ssm(ours) if name == "mamba-ssm" else ours
             elif name == "transformer":
@@ -135,11 +136,11 @@ def main(argv=None):
             model, status0 = None, f"unavailable: {type(e).__name__}: {e}"
         if name == "mamba-ssm" and not cuda:
             model, status0 = None, "unavailable: needs CUDA"
-        if name in ("ours-kernel", "ours-fused") and model is not None:
+        if name == "ours-fused" and model is not None:
             m = model.backbone.layers[0].mixer
             probe = torch.empty(1, 1, model.config.d_model, device=device, dtype=dtype)
             reason = decode_kernel_reason(probe[0], m.d_state, m.dt_rank, m.d_conv)
-            if reason is None and name == "ours-fused":
+            if reason is None:
                 reason = block_unsupported_reason("fused", probe, m.d_inner, m.d_state, m.d_conv)
             if reason is not None:
                 model, status0 = None, f"unavailable: {reason}"

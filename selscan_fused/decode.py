@@ -39,8 +39,9 @@ Paths (`impl=`):
               launches, deterministic); CUDA, float32 / bfloat16 / float16, d_state <= 64, dt_rank <= 256,
               d_conv 2-4. It rounds where the torch path rounds (u, x_proj's and dt_proj's outputs to the
               dtype), so the two agree to float32 summation order.
-    "auto"    "torch" in this version: the kernel becomes the default once its measurement against the
-              torch path and mamba-ssm's step (benchmarks/decode_bench.py) is in docs/perf/decode.md.
+    "auto"    "kernel" where it runs the step (CUDA, its dtypes and envelope above, contiguous states), else
+              "torch": the kernel path measured 1.3-3.2x faster than the torch path for the whole model at
+              the sizes of mamba-130m and mamba-1.4b, batch 1 to 128 (docs/perf/decode.md).
 
 selscan_fused.block_reference.mamba_step_ref gives the same math out of place (the reference of both).
 """
@@ -87,11 +88,20 @@ def decode_kernel_reason(hidden_states: torch.Tensor, d_state: int, dt_rank: int
     return None
 
 
-def resolve_step_impl(impl: str) -> str:
-    """The path mamba_block_step takes for `impl` ('auto' is 'torch' in this version: module docstring)."""
+def resolve_step_impl(impl: str, hidden_states: torch.Tensor | None = None, d_state: int = 0, dt_rank: int = 0,
+                      d_conv: int = 0, states: tuple = ()) -> str:
+    """The path mamba_block_step takes for `impl` (module docstring): 'kernel' and 'torch' as named; 'auto'
+    is 'kernel' where decode_kernel_reason finds nothing against these inputs and the states are
+    contiguous (the kernel writes them in place), else 'torch' (also without inputs to judge)."""
     if impl not in STEP_IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {STEP_IMPLS} for the decode step, got {impl!r}")
-    return "torch" if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    if (hidden_states is None or hidden_states.shape[0] == 0
+            or decode_kernel_reason(hidden_states, d_state, dt_rank, d_conv) is not None
+            or not all(t.is_contiguous() for t in states)):
+        return "torch"
+    return "kernel"
 
 
 def _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight, dt_proj_weight, A_log,
@@ -152,9 +162,10 @@ def mamba_block_step(
 ) -> torch.Tensor:
     """One decode step of the block (module docstring): returns out (batch, d_model) in hidden_states'
     dtype (the `out` buffer when given) and updates conv_state and ssm_state in place."""
-    chosen = resolve_step_impl(impl)
+    resolve_step_impl(impl)  # the name first
     d_inner, N, R, W, cd = _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_proj_weight,
                                   dt_proj_weight, A_log, out)
+    chosen = resolve_step_impl(impl, hidden_states, N, R, W, (conv_state, ssm_state))
     x = hidden_states
     xdt = x.dtype
     xz = F.linear(x, _cast(in_proj_weight, xdt), _cast(in_proj_bias, xdt))         # (batch, 2 d_inner)

@@ -264,7 +264,8 @@ class MambaLM(nn.Module):
     impl: the blocks' path ('auto' | 'unfused' | 'reference'; see selscan_fused.mamba_block), for forward
     and prefill; forward(..., impl=...) overrides it for one call. The decode step (step) is
     selscan_fused.decode.mamba_block_step on every layer, on the path decode_impl names ('auto' |
-    'kernel' | 'torch'; an attribute, step(..., decode_impl=...) overrides it for one call).
+    'kernel' | 'torch'; an attribute, step(..., decode_impl=...) overrides it for one call; 'auto' takes
+    the decode kernels wherever they run the step, with the fused residual add + RMSNorm).
     """
 
     def __init__(self, config: MambaLMConfig, impl: str = "auto", device=None, dtype=None):
@@ -411,9 +412,15 @@ class MambaLM(nn.Module):
         in the cache advance by one token in place (selscan_fused.decode.mamba_block_step, on the path
         decode_impl names, default self.decode_impl). No host synchronisation: capturable in a CUDA graph
         (selscan_fused.generation.CUDAGraphStep)."""
-        impl = resolve_step_impl(self.decode_impl if decode_impl is None else decode_impl)
-        fused = impl == "kernel"  # the kernel path also fuses each residual add + RMSNorm
         hidden = self.backbone.embedding(input_ids)
+        impl = self.decode_impl if decode_impl is None else decode_impl
+        if len(self.backbone.layers) == 0:
+            impl = resolve_step_impl(impl)
+        else:  # 'auto': the kernel where it runs every layer's step (the layers share their shapes)
+            mixer = self.backbone.layers[0].mixer
+            impl = resolve_step_impl(impl, hidden, mixer.d_state, mixer.dt_rank, mixer.d_conv,
+                                     (*cache.conv_states, *cache.ssm_states))
+        fused = impl == "kernel"  # the kernel path also fuses each residual add + RMSNorm
         residual = None
         for i, layer in enumerate(self.backbone.layers):
             normed, residual = layer.add_norm(hidden, residual, fused=fused)

@@ -188,3 +188,14 @@ def poisoned_outputs():
     yield
     for op in ops:
         op(False)
+
+
+def pytest_runtest_logreport(report):
+    """SELSCAN_FAILURE_LOG=FILE: every failure's report appended to FILE as it happens (written once, by
+    the controlling process under pytest-xdist), so that a run stopped at a time limit, whose summary
+    never prints, still says what failed and why (scripts/gpu_check.sh)."""
+    path = os.environ.get("SELSCAN_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as f:
+        f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")

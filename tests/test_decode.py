@@ -53,6 +53,10 @@ def order(w):
 def test_step_impls_and_auto():
     assert STEP_IMPLS == ("auto", "kernel", "torch")
     assert resolve_step_impl("auto") == "torch" and resolve_step_impl("kernel") == "kernel"
+    # 'auto' takes the kernel only where decode_kernel_reason finds nothing: never on the CPU
+    x = torch.randn(2, 32)
+    assert resolve_step_impl("auto", x, 8, 2, 4, (torch.zeros(2, 64, 3),)) == "torch"
+    assert resolve_step_impl("torch", x, 8, 2, 4) == "torch"
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_step_impl("fused")
 
@@ -206,6 +210,33 @@ def test_kernel_is_deterministic_and_writes_every_element_of_y():
     assert torch.allclose(f(y), y64, rtol=3e-2, atol=3e-2 * y64.abs().max().item())
     assert torch.allclose(f(s), h, rtol=3e-2, atol=3e-2 * h.abs().max().item())
     assert torch.equal(c, win[..., 1:].to(dtype).cuda())
+
+
+@requires_cuda
+@requires_extension
+def test_auto_takes_the_kernel_where_it_runs():
+    """'auto' is the kernel on CUDA in its envelope with contiguous states (bitwise what impl='kernel'
+    gives), the torch path otherwise (float64, a non-contiguous state)."""
+    fresh_seed()
+    batch, d_model, d_inner, N, R, W = 3, 128, 256, 16, 8, 4
+    dtype = torch.bfloat16
+    w = block_weights(d_model, d_inner, N, R, W, dtype=dtype, device="cuda")
+    x = torch.randn(batch, d_model, device="cuda").to(dtype)
+    conv = torch.randn(batch, d_inner, W - 1, device="cuda").to(dtype)
+    ssm = torch.randn(batch, d_inner, N, device="cuda")
+    assert resolve_step_impl("auto", x, N, R, W, (conv, ssm)) == "kernel"
+    assert resolve_step_impl("auto", x.double(), N, R, W, (conv, ssm)) == "torch"
+    strided = torch.randn(batch, W - 1, d_inner, device="cuda").to(dtype).transpose(1, 2)
+    assert resolve_step_impl("auto", x, N, R, W, (strided, ssm)) == "torch"
+    c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    a = mamba_block_step(x, c1, s1, *order(w), impl="auto")
+    b = mamba_block_step(x, c2, s2, *order(w), impl="kernel")
+    assert torch.equal(a, b) and torch.equal(c1, c2) and torch.equal(s1, s2)
+    # a non-contiguous state under 'auto': the torch path, which agrees with the kernel's step
+    c3 = conv.clone().transpose(1, 2).contiguous().transpose(1, 2)
+    s3 = ssm.clone()
+    out = mamba_block_step(x, c3, s3, *order(w), impl="auto")
+    assert rel_l2(out, a) < 2e-2 and rel_l2(s3, s1) < 2e-2 and torch.equal(c3, c1)
 
 
 @requires_cuda
