@@ -10,8 +10,8 @@ Rows: this project's block (`selscan_fused.Mamba`, each available path) and mamb
 and dt_proj products, its scan kernel with the gate and the delta softplus inside, out_proj; its
 backward recomputes the conv output and delta), when its kernels are importable: `selective_scan_cuda`
 and `causal_conv1d_cuda` built by the peers' scripts, and mamba-ssm's and causal-conv1d's Python files
-on PYTHONPATH (kept in the git-ignored .peer/ folder, never in this repository). Without them the
-mamba-ssm rows say so.
+on PYTHONPATH (scripts/build_peers.sh prepares them in the git-ignored .peer/ folder, never in this
+repository). Without them the mamba-ssm rows say so.
 
 bfloat16 parameters and input (the block built with mamba-ssm's initialisation, then cast), GPU time of
 one call by CUDA events, median of --reps after warm-up; a training step is `out = block(x);

@@ -32,6 +32,19 @@ if [ -n "${SELSCAN_CXX:-}" ]; then export CXX=$SELSCAN_CXX; elif command -v g++ 
   export CXX=$(command -v g++) CC=$(command -v gcc)
 fi
 
+# SELSCAN_PEERS=DIR: mamba-ssm's kernels built from DIR (prepared by `scripts/build_peers.sh src DIR ...`)
+# in the background while the extension builds and the tests run; DIR's modules go on PYTHONPATH for
+# the optional benchmark stages below, which wait for that build.
+peers_pid=""
+if [ -n "${SELSCAN_PEERS:-}" ]; then
+  if ls "$SELSCAN_PEERS"/scan/selective_scan_cuda*.so "$SELSCAN_PEERS"/conv/causal_conv1d_cuda*.so >/dev/null 2>&1; then
+    echo "peers: built already in $SELSCAN_PEERS" > "$LOG/peers.log"
+  else
+    nice -n 10 bash scripts/build_peers.sh build "$SELSCAN_PEERS" > "$LOG/peers.log" 2>&1 &
+    peers_pid=$!
+  fi
+fi
+
 t0=$(date +%s)
 if [ -n "${SELSCAN_PREBUILT:-}" ]; then
   cp "$SELSCAN_PREBUILT"/*.so "$SELSCAN_PREBUILT"/_build_info.py selscan_fused/ || exit 1
@@ -43,6 +56,13 @@ else
     $PY setup.py build_ext --inplace >"$LOG/build.log" 2>&1 || { echo "BUILD FAILED"; tail -n 40 "$LOG/build.log"; exit 1; }
 fi
 t1=$(date +%s)
+# SELSCAN_SAVE_BUILD=DIR: the built extension packed into DIR as build.tgz.aa, .ab, ... (15 MB pieces, for
+# a machine that returns files of limited size; `cat build.tgz.* | tar xzf - -C X` restores them as
+# X/selscan_fused/*.so and _build_info.py, and SELSCAN_PREBUILT=X/selscan_fused takes them).
+if [ -n "${SELSCAN_SAVE_BUILD:-}" ] && [ -z "${SELSCAN_PREBUILT:-}" ]; then
+  mkdir -p "$SELSCAN_SAVE_BUILD"
+  tar czf - selscan_fused/*.so selscan_fused/_build_info.py | split -b 15M - "$SELSCAN_SAVE_BUILD/build.tgz."
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$LOG/gpu.txt" 2>&1
 
@@ -116,6 +136,11 @@ fi
 # SELSCAN_GPU_CHECK_EXTRA=block,decode,varlen,throughput: the block's, the language model's and the
 # packed sequences' benchmarks into LOGDIR (CSV + log each; mamba-ssm's rows where its kernels import).
 extras=",${SELSCAN_GPU_CHECK_EXTRA:-},"
+if [ "$extras" != ",," ] && [ -n "${SELSCAN_PEERS:-}" ]; then
+  [ -n "$peers_pid" ] && wait "$peers_pid"
+  extra+="peers: $(tail -n 2 "$LOG/peers.log" | tr '\n' ' ')"$'\n'
+  export PYTHONPATH="$PYTHONPATH:$SELSCAN_PEERS/py:$SELSCAN_PEERS/scan:$SELSCAN_PEERS/conv"
+fi
 for what in block decode varlen throughput; do
   [[ $extras == *,$what,* ]] || continue
   case $what in
