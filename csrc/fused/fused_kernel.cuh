@@ -98,6 +98,27 @@ __device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t 
   store_vals<kCh>(yp, out);
 }
 
+// The block's gate reads z in the store (store_out), right before each store, where no other load is in
+// flight: from DRAM that is a full memory latency per store (docs/perf/block.md, "The fused block, first
+// measurement"). At the start of each scan tile the scan threads fetch z's rows of this tile and the
+// next into L2 (one prefetch per 128-byte line of the tile's channels), so that those loads wait an L2
+// hit. Only when p.z is set: the layer's tile loop is unchanged.
+template <class Cfg>
+__device__ __forceinline__ void prefetch_gate_rows(const FusedParams& p, int64_t b, int64_t j, int64_t t0, int tid) {
+  using EO = typename Cfg::ElementIn;
+  constexpr int kBytes = Cfg::kDt * int(sizeof(EO));  // one row's channels of the tile
+  constexpr int kLines = (kBytes + 127) / 128 + 1;     // + 1: a row's segment may straddle a line
+  const int64_t rows = min_i64(2 * Cfg::kT, p.seqlen - t0);
+  const char* base = static_cast<const char*>(p.z) +
+                     ((b * p.seqlen + t0) * p.z_stride + j * Cfg::kDt) * int64_t(sizeof(EO));
+  for (int i = tid; i < rows * kLines; i += Cfg::kScanThreads) {
+    const int k = i % kLines;
+    const char* row = base + int64_t(i / kLines) * p.z_stride * int64_t(sizeof(EO));
+    const char* addr = row + (k == kLines - 1 ? kBytes - 1 : k * 128);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(addr));
+  }
+}
+
 // Thread (channel pair/channel c, state group g): kNS = N/4 states of each of kCh adjacent channels,
 // which share the thread's loads of B and C. Per 4 tokens: loads, 4*kCh*kNS independent exp2, the
 // chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
@@ -157,6 +178,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const int64_t t0 = s.t_begin + tile * kT;
       if (!sub_tile_live<Cfg>(p, t0)) continue;
       const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
+      if (kFull && p.z != nullptr && n_valid > 0) prefetch_gate_rows<Cfg>(p, s.b, s.j, t0, tid);
       const int ps = st.hand.stage;
       handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);
       xpipe.consumer_wait(st.xt);
