@@ -115,7 +115,13 @@ def extension_modules():
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_fused},
     )
-    return [ext_c, ext_fused], {"build_ext": BuildExtension}
+    # SELSCAN_BUILD_ONLY=_C or _fused: build that extension alone (the other one, built earlier against the
+    # same torch, is left in place), e.g. after a change to the decode or conv kernels only.
+    only = os.environ.get("SELSCAN_BUILD_ONLY", "")
+    exts = [e for e in (ext_c, ext_fused) if not only or e.name == f"selscan_fused.{only}"]
+    if not exts:
+        raise RuntimeError(f"selscan_fused: SELSCAN_BUILD_ONLY={only!r} names no extension (use _C or _fused)")
+    return exts, {"build_ext": BuildExtension}
 
 
 def write_build_info(torch, cuda_home, cutlass_include, fused_extra_flags=""):

@@ -164,6 +164,8 @@ def main(argv=None):
                 if cuda:
                     torch.cuda.empty_cache()
             rows.append(row)
+            if args.csv:  # after every point: a run stopped early keeps what it measured
+                write_csv(args.csv, rows)
             print(f"{name:>12} batch {batch:>4}: {row['tokens_per_s'] or '-':>10} tokens/s  "
                   f"{row['total_ms'] or '-':>10} ms  {row['status']}", flush=True)
         model = None
@@ -171,13 +173,17 @@ def main(argv=None):
             torch.cuda.empty_cache()
     print(PAPER)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
     if args.png:
         plot(rows, args.png)
     return rows
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def plot(rows, png):
