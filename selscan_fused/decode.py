@@ -40,8 +40,8 @@ Paths (`impl=`):
               d_conv 2-4. It rounds where the torch path rounds (u, x_proj's and dt_proj's outputs to the
               dtype), so the two agree to float32 summation order.
     "auto"    "kernel" where it runs the step (CUDA, its dtypes and envelope above, contiguous states), else
-              "torch": the kernel path measured 1.4-3.2x faster than the torch path for the whole model at
-              the sizes of mamba-130m and mamba-1.4b, batch 1 to 128 (docs/perf/decode.md).
+              "torch": the kernel path measured 2.9-4.4x faster than the torch path for the whole model at
+              the sizes of mamba-130m and mamba-1.4b, batch 1 to 128, on the H200 (docs/perf/decode.md).
 
 selscan_fused.block_reference.mamba_step_ref gives the same math out of place (the reference of both).
 """

@@ -1,8 +1,8 @@
 """The block's decode step on its two paths (selscan_fused.decode.mamba_block_step): impl='kernel' (the
 decode kernels of csrc/decode/) against the float64 evaluation of the step and against impl='torch',
-several steps in a row carrying both states, odd sizes (channels not a multiple of the kernel's tile,
-d_state 8-64, dt_rank 3-160, d_conv 2-4, batch 1-5), every element of y and of both states checked,
-determinism, CUDA-graph replay, the model's step and the errors."""
+several steps in a row carrying both states, odd sizes (channels not a multiple of the kernel's tiles,
+odd d_inner, d_state 4-64, dt_rank 3-256, d_conv 2-4, batch 1-6), every element of y and of both states
+checked, determinism (also across batch sizes), CUDA-graph replay, the model's step and the errors."""
 import math
 
 import pytest
@@ -104,6 +104,9 @@ SHAPES = [  # (batch, d_model, d_inner, N, R, W, bias, conv_bias)
     (2, 300, 600, 64, 160, 3, False, True),   # two full tiles and a partial one, N 64, R 160
     (5, 768, 1536, 16, 48, 4, False, True),   # mamba-130m's block
     (1, 40, 1000, 32, 256, 4, True, True),    # the largest rank the kernel takes
+    (2, 64, 333, 10, 5, 3, True, True),       # odd d_inner (x_proj's and dt_proj's rows read an element a
+                                              # lane), N 10 (not a multiple of 4: states read one by one)
+    (6, 32, 72, 4, 16, 4, False, True),       # N 4: one lane a channel; batch 6, a partial group of 4
 ]
 
 
@@ -210,6 +213,31 @@ def test_kernel_is_deterministic_and_writes_every_element_of_y():
     assert torch.allclose(f(y), y64, rtol=3e-2, atol=3e-2 * y64.abs().max().item())
     assert torch.allclose(f(s), h, rtol=3e-2, atol=3e-2 * h.abs().max().item())
     assert torch.equal(c, win[..., 1:].to(dtype).cuda())
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("d_inner,N,R", [(1536, 16, 48), (600, 64, 160), (333, 10, 5)])
+def test_kernel_sequences_do_not_depend_on_the_batch(d_inner, N, R):
+    """A sequence's y and states are bitwise the same stepped alone, in a batch of 3 or in one of 130
+    (the kernels' launch shapes differ: x_proj's rows split over more CTAs at small batches, more
+    channels a CTA at large ones; the summation orders do not)."""
+    fresh_seed()
+    W, dtype, big = 4, torch.bfloat16, 130
+    w = block_weights(64, d_inner, N, R, W, dtype=dtype, device="cuda")
+    xz = torch.randn(big, 2 * d_inner, device="cuda").to(dtype)
+    conv0 = torch.randn(big, d_inner, W - 1, device="cuda").to(dtype)
+    ssm0 = torch.randn(big, d_inner, N, device="cuda")
+    args = (w["conv_weight"].reshape(d_inner, W).contiguous(), w["conv_bias"], w["x_proj_weight"],
+            w["dt_proj_weight"], w["dt_proj_bias"], w["A_log"], w["D"])
+    out = {}
+    for rows in (slice(0, big), slice(5, 8), slice(6, 7)):
+        c, s = conv0[rows].clone(), ssm0[rows].clone()
+        y = torch.ops.selscan_fused.decode_mid(xz[rows].contiguous(), c, s, *args)
+        out[(rows.start, rows.stop)] = (y, c, s)
+    ya, ca, sa = out[(0, big)]
+    for (lo, hi), (y, c, s) in out.items():
+        assert torch.equal(y, ya[lo:hi]) and torch.equal(c, ca[lo:hi]) and torch.equal(s, sa[lo:hi]), (lo, hi)
 
 
 @requires_cuda

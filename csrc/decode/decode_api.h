@@ -13,8 +13,9 @@ inline bool decode_supports(int dstate, int dt_rank, int width) {
          width <= 4;
 }
 
-// Two launches on `stream`: the conv update and x_proj's partial sums per channel tile, then the
-// partial sums' reduction (in a fixed order: deterministic), dt_proj, the state update, D and the gate.
+// Two launches on `stream`: the conv (conv_state only read) and x_proj's partial sums per channel tile,
+// then the partial sums' reduction (in a fixed order: deterministic), dt_proj, the conv state's shift,
+// the state update, D and the gate.
 cudaError_t decode_mid_launch(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace selscan

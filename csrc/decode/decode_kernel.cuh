@@ -1,17 +1,22 @@
 // The block's decode step, from in_proj's output to the gated y, for one token per sequence
 // (selscan_fused/decode.py gives the math; selscan_fused.block_reference.mamba_step_ref is its
-// reference). Two kernels, each on a grid of (channel tile of kDecodeChannels, group of kSeqs
-// sequences), one thread per channel:
-//   conv_xproj  the conv update (the window [conv_state | xi], the state shifted in place), the SiLU,
-//               u rounded to the dtype (as the unfused path's conv kernel writes it) into the workspace,
-//               then x_proj's partial sums over the tile's channels: warp w takes outputs w, w + 8, ...;
-//               its lanes read a weight row's channels side by side (coalesced) and reduce by shuffles.
-//   scan_gate   x_proj's outputs: the tiles' partial sums added in tile order (deterministic: no
-//               atomics) and rounded to the dtype (as a library product writes them); dt_proj for the
-//               thread's channel (rounded likewise), softplus with the bias, the state update of its N
-//               states in float32 (in place), y = C h + D u, the gate y * silu(z), y stored.
-// At batch 1 the step reads every weight once; at larger batches each group of kSeqs sequences reads
-// x_proj's and dt_proj's weights once more (from L2 after the first).
+// reference). Two kernels (docs/perf/decode.md, "The decode kernels"):
+//   conv_xproj  grid (x tile of kDecodeXTile channels x slice of x_proj's rows, group of kSeqs
+//               sequences): the conv window and its SiLU for the tile's channels (u rounded to the
+//               dtype, into shared memory; conv_state only read here), then x_proj's partial sums over
+//               the tile for the slice's rows: a warp takes 4 rows at a time, its lanes 16 B of a row
+//               each (coalesced), the 4 x kSeqs sums reduced across the warp by a reduce-scatter of
+//               shuffles, into a (batch, x tiles, R + 2N) float32 workspace.
+//   scan_gate   grid (scan tile of channels, group of kSeqs sequences): the x tiles' partial sums added
+//               in tile order (deterministic: no atomics) and rounded to the dtype (as a library
+//               product writes them); then per channel a group of state_lanes lanes (4 states a lane):
+//               the dt_proj row read 16 B a lane (consecutive lanes, consecutive pieces of the row),
+//               reduced by shuffles and rounded, softplus with the bias, the conv recomputed (bitwise
+//               as the first kernel computes u) and conv_state shifted in place, the N states updated
+//               in place in float32 (16 B a lane, a warp's states contiguous), y = C h + D u by
+//               shuffles, the gate y * silu(z), y stored.
+// Every summation order depends only on d_inner, N, R and the pointers' alignment, never on the batch
+// or on the launch's shape: a sequence's results are bitwise the same whatever the batch.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -25,12 +30,15 @@
 namespace selscan {
 namespace decode {
 
-constexpr int kThreads = kDecodeChannels;
-static_assert(kThreads % 32 == 0, "whole warps");
-// Sequences per CTA: every weight element a CTA reads serves kSeqs sequences (at batch 128 the weights'
-// reads from L2 would otherwise be 128 per element and step); each sequence's sums are taken in the
-// same order whatever the batch (bitwise the same result).
+// Sequences per CTA: every weight element a CTA reads serves kSeqs sequences.
 constexpr int kSeqs = 4;
+constexpr int kXThreads = 256;               // the first kernel's CTA
+constexpr int kXWarps = kXThreads / 32;
+constexpr int kRowBlock = 4;                 // x_proj rows a warp reduces together
+static_assert(kRowBlock * kSeqs == 16, "the reduce-scatter below takes 16 sums a lane");
+constexpr int kScanThreads = 128;            // the second kernel's CTA
+static_assert(kDecodeXTile % (32 * 8) == 0, "whole 16 B vectors a lane");
+constexpr unsigned kFull = 0xffffffffu;
 
 template <class T>
 __device__ __forceinline__ float round_to(float v) {
@@ -49,130 +57,380 @@ __device__ __forceinline__ float small(const void* ptr, int64_t i, bool fp32) {
   return fp32 ? static_cast<const float*>(ptr)[i] : to_float<T>(static_cast<const T*>(ptr)[i]);
 }
 
-template <class T, int kW>
-__global__ void __launch_bounds__(kThreads) conv_xproj_kernel(DecodeParams p) {
-  __shared__ float s_u[kSeqs][kThreads];
-  const int tid = threadIdx.x;
-  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
-  const int64_t Dn = p.d_inner;
-  const int64_t c0 = int64_t(blockIdx.x) * kThreads;
-  const int64_t c = c0 + tid;
-  const bool f32 = p.small_fp32;
-  float w[kW], bias = 0.f;
-  if (c < Dn) {
+__device__ __forceinline__ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// The V = 16 / sizeof(T) elements of a 16 B vector as float.
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[16 / sizeof(T)]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int k = 0; k < kW; ++k) w[k] = small<T>(p.conv_weight, c * kW + k, f32);
+  for (int i = 0; i < int(16 / sizeof(T)); ++i) out[i] = to_float<T>(e[i]);
+}
+
+// The conv of channel c for sequence b: its taps and bias (loaded once per channel), the window
+// [conv_state | xi] (kept raw for the shift) and u = silu(bias + sum_k w[k] window[k]) rounded to T, the
+// taps added oldest first. Both kernels call it on the same values: the same u bitwise.
+template <class T>
+struct ConvTaps {
+  float w[kDecodeMaxWidth - 1] = {};  // the state's taps (oldest first)
+  float wx = 0.f;                     // the new input's tap
+  float bias = 0.f;
+  __device__ __forceinline__ void load(const DecodeParams& p, int64_t c) {
+    const int W = p.width;
+    const bool f32 = p.small_fp32;
+#pragma unroll
+    for (int k = 0; k < kDecodeMaxWidth - 1; ++k)
+      if (k < W - 1) w[k] = small<T>(p.conv_weight, c * W + k, f32);
+    wx = small<T>(p.conv_weight, c * W + W - 1, f32);
     if (p.conv_bias != nullptr) bias = small<T>(p.conv_bias, c, f32);
   }
-#pragma unroll
-  for (int q = 0; q < kSeqs; ++q) {
-    const int64_t b = b0 + q;
-    float u = 0.f;
-    if (b < p.batch && c < Dn) {
-      T* cs = static_cast<T*>(p.conv_state) + (b * Dn + c) * (kW - 1);
-      const T* xi = static_cast<const T*>(p.xz) + b * p.xz_stride;
-      float win[kW];
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) win[k] = to_float<T>(cs[k]);
-      win[kW - 1] = to_float<T>(xi[c]);
-      float acc = bias;
-#pragma unroll
-      for (int k = 0; k < kW; ++k) acc = fmaf(w[k], win[k], acc);
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) cs[k] = from_float<T>(win[k + 1]);
-      u = round_to<T>(silu_exact(acc));
-      p.workspace[b * Dn + c] = u;
-    }
-    s_u[q][tid] = u;
-  }
-  __syncthreads();
+};
 
-  // x_proj's partial sums: each weight element read once for the CTA's kSeqs sequences.
-  const int n_out = p.dt_rank + 2 * p.dstate;
-  const int warp = tid / 32, lane = tid % 32;
-  const int64_t cmax = Dn - c0 < kThreads ? Dn - c0 : kThreads;
-  const T* wx = static_cast<const T*>(p.x_proj_weight);
-  for (int j = warp; j < n_out; j += kThreads / 32) {
-    const T* row = wx + int64_t(j) * Dn + c0;
-    float sq[kSeqs];
+template <class T>
+struct ConvWindow {
+  T s[kDecodeMaxWidth - 1];  // conv_state's entries (oldest first), the first width - 1 valid
+  T x;                       // the new input xi
+  __device__ __forceinline__ void load(const DecodeParams& p, int64_t b, int64_t c) {
+    const int W = p.width;
+    const T* cs = static_cast<const T*>(p.conv_state) + (b * p.d_inner + c) * (W - 1);
 #pragma unroll
-    for (int q = 0; q < kSeqs; ++q) sq[q] = 0.f;
-    for (int k = lane; k < cmax; k += 32) {
-      const float wv = to_float<T>(row[k]);
+    for (int k = 0; k < kDecodeMaxWidth - 1; ++k) s[k] = k < W - 1 ? cs[k] : from_float<T>(0.f);
+    x = static_cast<const T*>(p.xz)[b * p.xz_stride + c];
+  }
+  __device__ __forceinline__ float u(const ConvTaps<T>& t, int W) const {
+    float acc = t.bias;
 #pragma unroll
-      for (int q = 0; q < kSeqs; ++q) sq[q] = fmaf(wv, s_u[q][k], sq[q]);
-    }
+    for (int k = 0; k < kDecodeMaxWidth - 1; ++k)
+      if (k < W - 1) acc = fmaf(t.w[k], to_float<T>(s[k]), acc);
+    acc = fmaf(t.wx, to_float<T>(x), acc);
+    return round_to<T>(silu_exact(acc));
+  }
+  // conv_state <- window[1:] (the raw values: exact).
+  __device__ __forceinline__ void store_shifted(const DecodeParams& p, int64_t b, int64_t c) const {
+    const int W = p.width;
+    T* cs = static_cast<T*>(p.conv_state) + (b * p.d_inner + c) * (W - 1);
 #pragma unroll
-    for (int q = 0; q < kSeqs; ++q) {
+    for (int k = 0; k < kDecodeMaxWidth - 2; ++k)
+      if (k < W - 2) cs[k] = s[k + 1];
+    cs[W - 2] = x;
+  }
+};
+
+// ---- conv_xproj ----
+
+// The weights of a warp's kRowBlock rows starting at j, its lane's kVecs vectors of each (vector k =
+// lane + 32 v of the tile's channels); rows at or past j_end and vectors past the tile read as zeros.
+template <class T, int kVecs>
+__device__ __forceinline__ void load_rows(const T* tile_w, int64_t Dn, int j, int j_end, int lane, int nvec,
+                                          uint4 (&w)[kRowBlock][kVecs]) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sq[q] += __shfl_xor_sync(0xffffffffu, sq[q], off);
-    }
-    if (lane == 0) {
+  for (int r = 0; r < kRowBlock; ++r) {
 #pragma unroll
-      for (int q = 0; q < kSeqs; ++q) {
-        const int64_t b = b0 + q;
-        if (b < p.batch) p.workspace[p.batch * Dn + (b * int64_t(gridDim.x) + blockIdx.x) * n_out + j] = sq[q];
+    for (int v = 0; v < kVecs; ++v) {
+      const int k = lane + 32 * v;
+      if (j + r < j_end && k < nvec) {
+        w[r][v] = __ldg(reinterpret_cast<const uint4*>(tile_w + int64_t(j + r) * Dn) + k);
+      } else {
+        w[r][v] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
   }
 }
 
-template <class T>
-__global__ void __launch_bounds__(kThreads) scan_gate_kernel(DecodeParams p) {
-  __shared__ float s_dbc[kSeqs][kDecodeMaxRank + 2 * kDecodeMaxState];
-  const int tid = threadIdx.x;
-  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
-  const int64_t Dn = p.d_inner;
-  const int R = p.dt_rank, N = p.dstate, n_out = R + 2 * N;
-  const int64_t n_tiles = gridDim.x;
+// acc[r * kSeqs + q] summed over the warp's 32 lanes: a reduce-scatter (16 sums -> 8 -> 4 -> 2 -> 1 a
+// lane, then the lane pair's last add), 16 shuffles. Lane l ends with sum m = l >> 1 (both lanes of a
+// pair hold it). A fixed tree: deterministic.
+template <int kHalf>
+__device__ __forceinline__ void reduce_scatter_level(float (&a)[16], int lane) {
+  const bool upper = (lane & (2 * kHalf)) != 0;
 #pragma unroll
-  for (int q = 0; q < kSeqs; ++q) {
-    const int64_t b = b0 + q;
-    if (b >= p.batch) break;
-    const float* partial = p.workspace + p.batch * Dn + b * n_tiles * n_out;
-    for (int j = tid; j < n_out; j += kThreads) {
-      float s = 0.f;
-      for (int64_t t = 0; t < n_tiles; ++t) s += partial[t * n_out + j];
-      s_dbc[q][j] = round_to<T>(s);
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? a[i] : a[i + kHalf];
+    const float keep = upper ? a[i + kHalf] : a[i];
+    a[i] = keep + __shfl_xor_sync(kFull, send, 2 * kHalf);
+  }
+}
+
+__device__ __forceinline__ float warp_reduce_scatter16(float (&a)[16], int lane) {
+  reduce_scatter_level<8>(a, lane);
+  reduce_scatter_level<4>(a, lane);
+  reduce_scatter_level<2>(a, lane);
+  reduce_scatter_level<1>(a, lane);
+  return a[0] + __shfl_xor_sync(kFull, a[0], 1);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kXThreads, 2) conv_xproj_kernel(DecodeParams p) {
+  constexpr int V = 16 / int(sizeof(T));          // elements of a 16 B vector
+  constexpr int kVecs = kDecodeXTile / V / 32;     // vectors of a row a lane reads (2; 4 for float)
+  __shared__ __align__(16) float s_u[kSeqs][kDecodeXTile];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t Dn = p.d_inner;
+  const int64_t xtiles = decode_xproj_tiles(Dn);
+  const int64_t tile = int64_t(blockIdx.x) % xtiles, slice = int64_t(blockIdx.x) / xtiles;
+  const int64_t c0 = tile * kDecodeXTile;
+  const int cmax = int(Dn - c0 < kDecodeXTile ? Dn - c0 : kDecodeXTile);
+  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
+  const int nseq = int(p.batch - b0 < kSeqs ? p.batch - b0 : kSeqs);
+  const int n_out = p.dt_rank + 2 * p.dstate;
+  const int j_begin = int(slice) * p.xproj_rows;
+  const int j_end = j_begin + p.xproj_rows < n_out ? j_begin + p.xproj_rows : n_out;
+  const T* tile_w = static_cast<const T*>(p.x_proj_weight) + c0;
+  // 16 B vectors when every row's tile starts 16 B aligned; else one element a lane at a time.
+  const bool vec = Dn % V == 0 && aligned16(p.x_proj_weight);
+  const int nvec = cmax / V;
+
+  // The warp's first rows requested before the conv, so that their latency overlaps it.
+  int j = j_begin + warp * kRowBlock;
+  uint4 w[kRowBlock][kVecs];
+  if (vec) load_rows<T, kVecs>(tile_w, Dn, j, j_end, lane, nvec, w);
+
+  // u for the tile's channels and the group's sequences (zeros past d_inner and the batch).
+  for (int i = tid; i < kDecodeXTile; i += kXThreads) {
+    const int64_t c = c0 + i;
+    ConvTaps<T> taps;
+    if (c < Dn) taps.load(p, c);
+#pragma unroll
+    for (int q = 0; q < kSeqs; ++q) {
+      float u = 0.f;
+      if (q < nseq && c < Dn) {
+        ConvWindow<T> win;
+        win.load(p, b0 + q, c);
+        u = win.u(taps, p.width);
+      }
+      s_u[q][i] = u;
     }
   }
   __syncthreads();
-  const int64_t c = int64_t(blockIdx.x) * kThreads + tid;
-  if (c >= Dn) return;
 
-  // dt_proj for the thread's channel: its weight row read once for the CTA's kSeqs sequences.
-  const T* wdt = static_cast<const T*>(p.dt_proj_weight) + c * R;
-  float dt[kSeqs];
+  float* partial = p.workspace;
+  for (; j < j_end; j += kXWarps * kRowBlock) {
+    float acc[kRowBlock * kSeqs];
 #pragma unroll
-  for (int q = 0; q < kSeqs; ++q) dt[q] = 0.f;
-  for (int r = 0; r < R; ++r) {
-    const float wv = to_float<T>(wdt[r]);
+    for (int m = 0; m < kRowBlock * kSeqs; ++m) acc[m] = 0.f;
+    if (vec) {
 #pragma unroll
-    for (int q = 0; q < kSeqs; ++q) dt[q] = fmaf(wv, s_dbc[q][r], dt[q]);
-  }
-  const bool f32 = p.small_fp32;
-  const float dt_bias = small<T>(p.dt_bias, c, f32), dskip = small<T>(p.D, c, f32);
+      for (int v = 0; v < kVecs; ++v) {
+        const int k = lane + 32 * v;  // zeros past the tile (weights and u both)
 #pragma unroll
-  for (int q = 0; q < kSeqs; ++q) {
-    const int64_t b = b0 + q;
-    if (b >= p.batch) break;
-    const float delta = softplus_exact(round_to<T>(dt[q]) + dt_bias);
-    const float u = p.workspace[b * Dn + c];
-    const float du = delta * u;
-    const float* Bv = s_dbc[q] + R;
-    const float* Cv = s_dbc[q] + R + N;
-    float* h = p.ssm_state + (b * Dn + c) * N;
-    float y = 0.f;
-#pragma unroll 4
-    for (int n = 0; n < N; ++n) {
-      const float decay = expf(-delta * expf(small<T>(p.A_log, c * N + n, f32)));  // exp(delta A), A = -exp(A_log)
-      const float hn = h[n] * decay + du * Bv[n];
-      h[n] = hn;
-      y = fmaf(hn, Cv[n], y);
+        for (int h = 0; h < V / 4; ++h) {
+          float uq[kSeqs][4];
+#pragma unroll
+          for (int q = 0; q < kSeqs; ++q) {
+            const float4 t = *reinterpret_cast<const float4*>(&s_u[q][k * V + 4 * h]);
+            uq[q][0] = t.x; uq[q][1] = t.y; uq[q][2] = t.z; uq[q][3] = t.w;
+          }
+#pragma unroll
+          for (int r = 0; r < kRowBlock; ++r) {
+            float wf[V];
+            unpack<T>(w[r][v], wf);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+#pragma unroll
+              for (int q = 0; q < kSeqs; ++q) acc[r * kSeqs + q] = fmaf(wf[4 * h + e], uq[q][e], acc[r * kSeqs + q]);
+            }
+          }
+        }
+      }
+    } else {
+      for (int k = lane; k < cmax; k += 32) {
+        float uq[kSeqs];
+#pragma unroll
+        for (int q = 0; q < kSeqs; ++q) uq[q] = s_u[q][k];
+#pragma unroll
+        for (int r = 0; r < kRowBlock; ++r) {
+          const float wv = j + r < j_end ? to_float<T>(tile_w[int64_t(j + r) * Dn + k]) : 0.f;
+#pragma unroll
+          for (int q = 0; q < kSeqs; ++q) acc[r * kSeqs + q] = fmaf(wv, uq[q], acc[r * kSeqs + q]);
+        }
+      }
     }
-    y = fmaf(dskip, u, y);
-    const float z = to_float<T>(static_cast<const T*>(p.xz)[b * p.xz_stride + Dn + c]);
-    static_cast<T*>(p.y)[b * Dn + c] = from_float<T>(y * silu_exact(z));
+    const float sum = warp_reduce_scatter16(acc, lane);
+    const int m = lane >> 1, r = m / kSeqs, q = m % kSeqs;
+    if ((lane & 1) == 0 && j + r < j_end && q < nseq)
+      partial[((b0 + q) * xtiles + tile) * n_out + j + r] = sum;
+    // the next rows (the loads issued together: one round trip a row block)
+    if (vec && j + kXWarps * kRowBlock < j_end) load_rows<T, kVecs>(tile_w, Dn, j + kXWarps * kRowBlock, j_end, lane, nvec, w);
+  }
+}
+
+// ---- scan_gate ----
+
+// kL lanes a channel (a power of two, 4 * kL >= N: lane `sub` of the group holds states 4 sub .. 4 sub + 3);
+// the conv and the gate of sequence q by the group's lane q % kL (its slot q / kL).
+template <class T, int kL>
+__global__ void __launch_bounds__(kScanThreads, 4) scan_gate_kernel(DecodeParams p) {
+  constexpr int V = 16 / int(sizeof(T));
+  constexpr int kSlots = (kSeqs + kL - 1) / kL;  // sequences whose conv and gate a lane takes
+  constexpr int kPerPass = kScanThreads / kL;    // channels a pass
+  __shared__ __align__(16) float s_dt[kSeqs][kDecodeMaxRank];
+  __shared__ float s_B[kSeqs][kDecodeMaxState];
+  __shared__ float s_C[kSeqs][kDecodeMaxState];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t Dn = p.d_inner;
+  const int R = p.dt_rank, N = p.dstate, n_out = R + 2 * N;
+  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
+  const int nseq = int(p.batch - b0 < kSeqs ? p.batch - b0 : kSeqs);
+  const int64_t xtiles = decode_xproj_tiles(Dn);
+
+  // x_proj's outputs for the group's sequences: the x tiles' partial sums in tile order, rounded to T.
+  for (int i = tid; i < nseq * n_out; i += kScanThreads) {
+    const int q = i / n_out, jj = i - q * n_out;
+    const float* part = p.workspace + (b0 + q) * xtiles * n_out + jj;
+    float s = 0.f;
+    for (int64_t t = 0; t < xtiles; ++t) s += part[t * n_out];
+    s = round_to<T>(s);
+    if (jj < R) s_dt[q][jj] = s;
+    else if (jj < R + N) s_B[q][jj - R] = s;
+    else s_C[q][jj - R - N] = s;
+  }
+  __syncthreads();
+
+  const int sub = tid % kL;               // this lane's place in its channel's group
+  const int group_lane0 = lane - sub;
+  const int n0 = 4 * sub;                 // this lane's first state
+  const bool f32 = p.small_fp32;
+  const bool vec_dt = R % V == 0 && aligned16(p.dt_proj_weight);
+  const bool vec_h = N % 4 == 0 && aligned16(p.ssm_state);
+  const int64_t tile_c0 = int64_t(blockIdx.x) * p.scan_passes * kPerPass;
+  const int64_t seq_h = Dn * N;           // ssm_state's stride between sequences
+
+  for (int pass = 0; pass < p.scan_passes; ++pass) {
+    const int64_t pc0 = tile_c0 + int64_t(pass) * kPerPass;
+    if (pc0 >= Dn) break;  // uniform across the CTA
+    const int64_t c = pc0 + tid / kL;
+    const bool valid = c < Dn;  // lanes past d_inner still take part in the shuffles
+    float* const h0 = p.ssm_state + (b0 * Dn + c) * N + n0;
+
+    // The loads that need nothing of the sums first: the states, the conv windows, z.
+    float h[kSeqs][4];
+#pragma unroll
+    for (int q = 0; q < kSeqs; ++q) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[q][i] = 0.f;
+      if (q < nseq && valid) {
+        const float* hp = h0 + q * seq_h;
+        if (vec_h) {
+          if (n0 < N) {
+            const float4 t = __ldcs(reinterpret_cast<const float4*>(hp));
+            h[q][0] = t.x; h[q][1] = t.y; h[q][2] = t.z; h[q][3] = t.w;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (n0 + i < N) h[q][i] = hp[i];
+        }
+      }
+    }
+    ConvWindow<T> win[kSlots];
+    float z[kSlots];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int q = sub + kL * k;
+      z[k] = 0.f;
+      if (q < nseq && valid) {
+        win[k].load(p, b0 + q, c);
+        z[k] = to_float<T>(static_cast<const T*>(p.xz)[(b0 + q) * p.xz_stride + Dn + c]);
+      }
+    }
+
+    // dt_proj: the channel's row split over its kL lanes (16 B pieces, consecutive lanes consecutive
+    // pieces), each lane's products added in row order, then the kL lanes' sums by a butterfly (every
+    // lane ends with the same value).
+    float dt[kSeqs];
+#pragma unroll
+    for (int q = 0; q < kSeqs; ++q) dt[q] = 0.f;
+    if (valid) {
+      const T* row = static_cast<const T*>(p.dt_proj_weight) + c * R;
+      if (vec_dt) {
+        const int nv = R / V;
+#pragma unroll 2
+        for (int k = sub; k < nv; k += kL) {
+          float wf[V];
+          unpack<T>(__ldg(reinterpret_cast<const uint4*>(row) + k), wf);
+#pragma unroll
+          for (int q = 0; q < kSeqs; ++q) {
+#pragma unroll
+            for (int h4 = 0; h4 < V / 4; ++h4) {
+              const float4 d = *reinterpret_cast<const float4*>(&s_dt[q][k * V + 4 * h4]);
+              dt[q] = fmaf(wf[4 * h4 + 0], d.x, dt[q]);
+              dt[q] = fmaf(wf[4 * h4 + 1], d.y, dt[q]);
+              dt[q] = fmaf(wf[4 * h4 + 2], d.z, dt[q]);
+              dt[q] = fmaf(wf[4 * h4 + 3], d.w, dt[q]);
+            }
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int r = sub; r < R; r += kL) {
+          const float wv = to_float<T>(row[r]);
+#pragma unroll
+          for (int q = 0; q < kSeqs; ++q) dt[q] = fmaf(wv, s_dt[q][r], dt[q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < kL; off <<= 1) {
+#pragma unroll
+      for (int q = 0; q < kSeqs; ++q) dt[q] += __shfl_xor_sync(kFull, dt[q], off);
+    }
+
+    // The channel's parameters; u of the lane's sequences (conv_state shifted in place).
+    float dt_bias = 0.f, dskip = 0.f, expA[4] = {0.f, 0.f, 0.f, 0.f}, u_own[kSlots];
+    if (valid) {
+      dt_bias = small<T>(p.dt_bias, c, f32);
+      dskip = small<T>(p.D, c, f32);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n0 + i < N) expA[i] = expf(small<T>(p.A_log, c * N + n0 + i, f32));  // A = -exp(A_log)
+    }
+    {
+      ConvTaps<T> taps;
+      if (valid && sub < nseq) taps.load(p, c);
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int q = sub + kL * k;
+        u_own[k] = 0.f;
+        if (q < nseq && valid) {
+          u_own[k] = win[k].u(taps, p.width);
+          win[k].store_shifted(p, b0 + q, c);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int q = 0; q < kSeqs; ++q) {
+      if (q >= nseq) break;  // uniform
+      const float u = __shfl_sync(kFull, u_own[q / kL], group_lane0 + q % kL);
+      const float delta = softplus_exact(round_to<T>(dt[q]) + dt_bias);
+      const float du = delta * u;
+      float y = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (valid && n0 + i < N) {
+          const float decay = expf(-delta * expA[i]);  // exp(delta A)
+          const float hn = h[q][i] * decay + du * s_B[q][n0 + i];
+          h[q][i] = hn;
+          y = fmaf(hn, s_C[q][n0 + i], y);
+        }
+      }
+      if (valid) {
+        float* hp = h0 + q * seq_h;
+        if (vec_h) {
+          if (n0 < N) __stcs(reinterpret_cast<float4*>(hp), make_float4(h[q][0], h[q][1], h[q][2], h[q][3]));
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (n0 + i < N) hp[i] = h[q][i];
+        }
+      }
+#pragma unroll
+      for (int off = 1; off < kL; off <<= 1) y += __shfl_xor_sync(kFull, y, off);
+      if (valid && sub == q % kL) {  // the lane that holds sequence q's z
+        y = fmaf(dskip, u, y);
+        static_cast<T*>(p.y)[(b0 + q) * Dn + c] = from_float<T>(y * silu_exact(z[q / kL]));
+      }
+    }
   }
 }
 

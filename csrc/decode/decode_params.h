@@ -38,17 +38,28 @@ struct DecodeParams {
   // Workspace (decode_workspace_floats) and output.
   float* workspace = nullptr;
   void* y = nullptr;                 // (batch, d_inner), contiguous, dtype
+
+  // The launch's shape, set by decode_mid_launch (callers leave them): x_proj's rows per CTA of the first
+  // kernel (a multiple of 4), the lanes per channel (a power of two, 4 states a lane) and the channel
+  // passes per CTA of the second. The results do not depend on them (bitwise).
+  int xproj_rows = 0;
+  int state_lanes = 0;
+  int scan_passes = 0;
 };
 
-constexpr int kDecodeChannels = 256;  // channels per CTA, one thread each
 constexpr int kDecodeMaxState = 64;
 constexpr int kDecodeMaxRank = 256;
+constexpr int kDecodeMaxWidth = 4;
+// Channels of one x_proj partial sum (the first kernel's channel tile): the second kernel adds
+// d_inner / kDecodeXTile partial sums per output (8 at d_inner 4096), in tile order.
+constexpr int kDecodeXTile = 512;
 
-inline int64_t decode_channel_tiles(int64_t d_inner) { return (d_inner + kDecodeChannels - 1) / kDecodeChannels; }
+// constexpr: the kernels call it too (--expt-relaxed-constexpr).
+constexpr int64_t decode_xproj_tiles(int64_t d_inner) { return (d_inner + kDecodeXTile - 1) / kDecodeXTile; }
 
-// Floats of workspace: u (batch, d_inner) and the x_proj partial sums (batch, tiles, R + 2N).
+// Floats of workspace: x_proj's partial sums (batch, x tiles, R + 2N).
 inline int64_t decode_workspace_floats(int64_t batch, int64_t d_inner, int dstate, int dt_rank) {
-  return batch * d_inner + batch * decode_channel_tiles(d_inner) * (int64_t(dt_rank) + 2 * dstate);
+  return batch * decode_xproj_tiles(d_inner) * (int64_t(dt_rank) + 2 * dstate);
 }
 
 }  // namespace selscan
