@@ -353,8 +353,8 @@ def selective_scan(
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row: a bad value gives wrong sequences, never an access outside the tensors). Paths: 'unfused' (the
     library product, then the scan kernel with one work item per sequence and channel tile, its
-    backward likewise; v0.3.0 development, not yet measured) and 'reference'; 'fused' is an error; 'auto'
-    runs the reference with a warning for CUDA tensors until the packed kernels are measured.
+    backward likewise; v0.3.0 development) and 'reference'; 'fused' is an error; 'auto' takes 'unfused'
+    for CUDA tensors it supports (the reference, with a warning, for the rest).
 
     Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
     in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
@@ -379,7 +379,7 @@ def selective_scan(
         num_seqs = check_cu_seqlens(cu_seqlens, x.shape[1], x.device, validate=validate)
         if h0 is not None:
             check_per_sequence("h0", h0, (num_seqs,) + tuple(A_log.shape),
-                               f"num_seqs = {num_seqs} from cu_seqlens, (D, N) from A_log", x.device)
+                               lambda: f"num_seqs = {num_seqs} from cu_seqlens, (D, N) from A_log", x.device)
     cfg = DEFAULT_CONFIG if config is None else config
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
@@ -397,9 +397,12 @@ def selective_scan(
     else:
         chosen = resolve_impl(impl, x, N, train)
     if cu_seqlens is not None and chosen != "reference":
-        if impl == "auto":
-            chosen = "reference"
-            warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
+        if impl == "auto":  # the packed kernels are the unfused path's (the fused kernel does not take them)
+            if extension_available() and unsupported_reason("unfused", x, N) is None:
+                chosen = "unfused"
+            else:
+                chosen = "reference"
+                warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
         elif chosen != "unfused":
             raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     elif impl == "auto" and chosen == "reference" and x.is_cuda:

@@ -205,8 +205,8 @@ def mamba_block(
     sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row). Paths: 'unfused' (the conv kernel's and the scan kernel's packed policies: a run or a work item
-    never crosses a sequence start; v0.3.0 development, not yet measured) and 'reference'; 'fused' is an
-    error; 'auto' runs the reference with a warning for CUDA tensors until the packed kernels are measured.
+    never crosses a sequence start; v0.3.0 development) and 'reference'; 'fused' is an error; 'auto' takes
+    'unfused' for CUDA tensors it supports (the reference, with a warning, for the rest).
     """
     packed = cu_seqlens is not None
     d_model, d_inner, N, R, W = _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
@@ -218,19 +218,24 @@ def mamba_block(
         if x.shape[0] != 1:
             raise packed_batch_error("hidden_states", x, "d_model")
         S = check_cu_seqlens(cu_seqlens, x.shape[1], x.device, validate=validate, x_name="hidden_states")
-        why = f"num_seqs = {S} from cu_seqlens, d_inner = {d_inner} from A_log"
+        # The messages are made only for an error (a formatted num_seqs would specialise a compiled graph).
+        def why():
+            return f"num_seqs = {S} from cu_seqlens, d_inner = {d_inner} from A_log"
         if h0 is not None:
-            check_per_sequence("h0", h0, (S, d_inner, N), f"{why}, d_state = {N} from A_log", x.device,
+            check_per_sequence("h0", h0, (S, d_inner, N), lambda: f"{why()}, d_state = {N} from A_log", x.device,
                                "hidden_states")
         if conv_state is not None:
             check_per_sequence("conv_state", conv_state, (S, d_inner, W - 1),
-                               f"{why}, d_conv = {W} from conv_weight: the last d_conv - 1 inputs of the conv",
-                               x.device, "hidden_states")
+                               lambda: f"{why()}, d_conv = {W} from conv_weight: the last d_conv - 1 inputs of the "
+                               "conv", x.device, "hidden_states")
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
-    if packed and impl == "auto" and x.is_cuda:
-        warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
-        chosen = "reference"
+    if packed and impl == "auto" and x.is_cuda:  # the packed kernels are the unfused path's
+        if extension_available() and block_unsupported_reason("unfused", x, d_inner, N, W) is None:
+            chosen = "unfused"
+        else:
+            warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
+            chosen = "reference"
     else:
         chosen = resolve_block_impl(impl, x, d_inner, N, W)
     if packed and chosen not in ("reference", "unfused"):

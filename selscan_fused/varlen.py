@@ -83,15 +83,17 @@ def packed_batch_error(name: str, t: torch.Tensor, what: str) -> ValueError:
                       f"(1, total_tokens, {what}); got shape {tuple(t.shape)} (batch {t.shape[0]})")
 
 
-def check_per_sequence(name: str, t, shape: tuple, why: str, device: torch.device, x_name: str = "x") -> None:
+def check_per_sequence(name: str, t, shape: tuple, why, device: torch.device, x_name: str = "x") -> None:
     """A per-sequence state (h0, conv_state) given with cu_seqlens: a floating-point tensor of `shape`
-    (num_seqs first) on `device`."""
+    (num_seqs first) on `device`. `why` (where the expected sizes come from) is a callable returning the
+    text, called only for the error: formatting num_seqs into a string would make torch.compile specialise
+    the graph on the number of sequences."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} ({why})")
+        raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} ({why()})")
     if t.device != device:
         raise ValueError(f"selscan_fused: {name} is on {t.device} but {x_name} is on {device}; "
                          "all tensors must be on the same device")
@@ -99,6 +101,6 @@ def check_per_sequence(name: str, t, shape: tuple, why: str, device: torch.devic
 
 CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' (its kernels restart the state at "
                        "every sequence start) and impl='reference'; impl='fused' does not take it yet")
-AUTO_VARLEN_MESSAGE = ("impl='auto' runs packed sequences (cu_seqlens) on the slow reference in this version: the "
-                       "unfused path's packed kernels (impl='unfused') are not yet measured (docs/design.md, "
-                       "'Packed sequences')")
+AUTO_VARLEN_MESSAGE = ("impl='auto' runs these packed sequences (cu_seqlens) on the slow reference: the unfused "
+                       "path, whose kernels run packed sequences, does not take these inputs (or the extension "
+                       "is not built)")

@@ -303,16 +303,43 @@ def test_validate_false_reads_nothing_on_the_host(monkeypatch):
 
 
 @requires_cuda
-def test_cuda_auto_runs_the_reference_with_a_warning():
+@requires_extension
+def test_cuda_auto_takes_the_unfused_packed_kernels():
+    """impl='auto' with cu_seqlens runs the unfused path's packed kernels (no warning): bitwise
+    impl='unfused', for the layer and the block, and within the dtype's bound of the float64 walk."""
+    import warnings
     fresh_seed()
     lengths = [5, 1, 9]
     cu = cu_of(lengths, "cuda")
     inp = make_inputs(1, 15, 16, 8, device="cuda")
     args = [inp[k] for k in ("x",) + LAYER_ARGS]
-    with pytest.warns(UserWarning, match="cu_seqlens"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         y = selective_scan(*args, cu_seqlens=cu)
+    assert torch.equal(y, selective_scan(*args, cu_seqlens=cu, impl="unfused"))
     y_w, _ = packed_layer_walk(*(a.double().cpu() for a in args), cu.cpu())
     assert rel_l2(y.cpu(), y_w) <= TOLERANCE["float32-highest"]
+    block = make_block(d_model=16, d_state=8, dtype=torch.float32).cuda()
+    xb = torch.randn(1, sum(lengths), 16, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block.impl = "auto"
+        out = block(xb, cu_seqlens=cu)
+    block.impl = "unfused"
+    assert torch.equal(out, block(xb, cu_seqlens=cu))
+
+
+def test_per_sequence_message_is_made_only_for_an_error():
+    """check_per_sequence formats its explanation only when it raises: a formatted num_seqs would make
+    torch.compile specialise a packed graph on the number of sequences."""
+    from selscan_fused.varlen import check_per_sequence
+
+    def never():
+        raise AssertionError("the message was formatted for a valid state")
+
+    check_per_sequence("h0", torch.randn(3, 4, 2), (3, 4, 2), never, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"h0 has shape \(2, 4, 2\), expected \(3, 4, 2\) \(because\)"):
+        check_per_sequence("h0", torch.randn(2, 4, 2), (3, 4, 2), lambda: "because", torch.device("cpu"))
 
 
 # ---- the unfused path's packed kernels (GPU) ----
