@@ -72,8 +72,10 @@ class MambaLMConfig:
                           conv_bias, bias; mamba-ssm's `layer: "Mamba1"` and `use_fast_path` are accepted
     rms_norm              RMSNorm (True) or nn.LayerNorm (False, with a bias) for the norms
     residual_in_fp32      the residual stream in float32 for bfloat16/float16 models
-    fused_add_norm        accepted and ignored: mamba-ssm's switch to its fused add+norm kernel; the add and the
-                          norm here are separate torch ops with the same math
+    fused_add_norm        accepted and ignored: mamba-ssm's switch to its fused add+norm kernel; here the add and
+                          the RMSNorm are one kernel (csrc/decode/norm_launch.cu) wherever nothing is
+                          differentiated on CUDA (the decode step, the prefill), PyTorch operations with the
+                          same math otherwise
     pad_vocab_size_multiple, tie_embeddings (lm_head shares the embedding's weight), norm_epsilon
     bos/eos/pad_token_id  carried for generation (from a Hugging Face config); not used by the model
     """
@@ -160,7 +162,8 @@ def add_norm(norm, hidden: torch.Tensor, residual: torch.Tensor | None, residual
 
 
 class Block(nn.Module):
-    """mamba-ssm's Block without the fused add+norm: (hidden, residual) -> (mixer(norm(residual)), residual)."""
+    """mamba-ssm's Block: (hidden, residual) -> (mixer(norm(residual)), residual); the add + norm fused into
+    one kernel where nothing is differentiated (CUDA, RMSNorm), the PyTorch operations otherwise."""
 
     def __init__(self, config: MambaLMConfig, layer_idx: int, impl: str, device=None, dtype=None):
         super().__init__()
@@ -179,7 +182,12 @@ class Block(nn.Module):
 
     def forward(self, hidden, residual=None, h0=None, conv_state=None, return_final_state=False, impl=None,
                 cu_seqlens=None, validate=True):
-        normed, residual = self.add_norm(hidden, residual)
+        # Nothing to differentiate (inference, the prefill): the add + RMSNorm as one kernel where it applies,
+        # as mamba-ssm fuses it (the PyTorch operations make ~8 passes over (batch, L, d_model) in float32).
+        # The kernel has no backward, so a forward that autograd records keeps the PyTorch operations.
+        fused = not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, residual, self.norm.weight)))
+        normed, residual = self.add_norm(hidden, residual, fused=fused)
         m = self.mixer
         res = mamba_block(normed, *m.weights(), h0=h0, conv_state=conv_state, return_final_state=return_final_state,
                           impl=impl or m.impl, config=m.config, cu_seqlens=cu_seqlens, validate=validate)

@@ -573,6 +573,39 @@ def test_unfused_logits_on_the_gpu(tmp_path, dtype, tol):
 
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_inference_forward_fuses_the_add_and_norm(monkeypatch, dtype, tol):
+    """Under no_grad (the prefill's case) every layer's residual add + RMSNorm runs as the one kernel;
+    with autograd recording, as PyTorch operations. Both against the float64 evaluation, and the two
+    against each other within float32 summation order (float32) or the dtype's rounding (bfloat16)."""
+    import selscan_fused.model as model_mod
+    fresh_seed()
+    cpu, gpu = _gpu_pair(dtype)
+    ids = torch.randint(0, 203, (2, 257))
+    ref64 = MambaLM(cpu.config, impl="reference", dtype=torch.float64)
+    ref64.load_state_dict({k: v.double().cpu() for k, v in gpu.state_dict().items()})
+    full64 = ref64(ids).detach()
+    seen = []
+    real = model_mod.add_norm
+
+    def spy(norm, hidden, residual, residual_in_fp32, fused=False):
+        seen.append(fused)
+        return real(norm, hidden, residual, residual_in_fp32, fused)
+    monkeypatch.setattr(model_mod, "add_norm", spy)
+    with matmul_precision("float32-highest"):
+        with torch.no_grad():
+            fused_out = gpu(ids.cuda())
+        assert seen == [True] * len(gpu.backbone.layers), seen
+        seen.clear()
+        plain_out = gpu(ids.cuda())
+        assert seen == [False] * len(gpu.backbone.layers), seen
+    for out in (fused_out, plain_out):
+        assert rel_l2(out.float().cpu(), full64) < tol
+    assert rel_l2(fused_out.float(), plain_out.detach().float()) < (1e-6 if dtype == torch.float32 else tol)
+
+
+@requires_cuda
+@requires_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_generate_equals_eager_and_the_cpu_reference(dtype):
     fresh_seed()
