@@ -81,7 +81,9 @@ if [[ $skip != *,tests,* ]]; then
   par=() tmo=()
   if [ -n "${SELSCAN_TEST_WORKERS:-}" ] && $PY -c "import xdist" 2>/dev/null; then par=(-n "$SELSCAN_TEST_WORKERS"); fi
   $PY -c "import pytest_timeout" 2>/dev/null && tmo=(--timeout "${SELSCAN_TEST_TIMEOUT:-900}")
-  timeout "${SELSCAN_TESTS_LIMIT:-0}" $PY -m pytest -q -rs "${par[@]}" "${tmo[@]}" tests 2>&1 | tee "$LOG/tests.log" | tail -n 40
+  # SELSCAN_TEST_FILES: the test files (or node ids) to run, space-separated (default: the whole suite)
+  read -r -a test_files <<< "${SELSCAN_TEST_FILES:-tests}"
+  timeout "${SELSCAN_TESTS_LIMIT:-0}" $PY -m pytest -q -rs "${par[@]}" "${tmo[@]}" "${test_files[@]}" 2>&1 | tee "$LOG/tests.log" | tail -n 40
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" = 124 ] && echo "tests: stopped at SELSCAN_TESTS_LIMIT=${SELSCAN_TESTS_LIMIT:-0} s" | tee -a "$LOG/tests.log"
   mapfile -t failed < <(sed -n 's/^==== \([^ ]*\) .*/\1/p' "$SELSCAN_FAILURE_LOG" | sort -u)
@@ -133,15 +135,16 @@ if [ "${SELSCAN_GPU_CHECK_MICRO:-0}" = 1 ]; then
   done
   extra+="$(cat "$LOG/micro.log")"$'\n'
 fi
-# SELSCAN_GPU_CHECK_EXTRA=block,decode,varlen,throughput: the block's, the language model's and the
-# packed sequences' benchmarks into LOGDIR (CSV + log each; mamba-ssm's rows where its kernels import).
+# SELSCAN_GPU_CHECK_EXTRA=block,decode,varlen,throughput,profile: the block's, the language model's and
+# the packed sequences' benchmarks into LOGDIR (CSV + log each; mamba-ssm's rows where its kernels
+# import); profile: the block's unfused and fused forward and step with torch.profiler's kernel table.
 extras=",${SELSCAN_GPU_CHECK_EXTRA:-},"
 if [ "$extras" != ",," ] && [ -n "${SELSCAN_PEERS:-}" ]; then
   [ -n "$peers_pid" ] && wait "$peers_pid"
   extra+="peers: $(tail -n 2 "$LOG/peers.log" | tr '\n' ' ')"$'\n'
   export PYTHONPATH="$PYTHONPATH:$SELSCAN_PEERS/py:$SELSCAN_PEERS/scan:$SELSCAN_PEERS/conv"
 fi
-for what in block decode varlen throughput; do
+for what in block decode varlen throughput profile; do
   [[ $extras == *,$what,* ]] || continue
   case $what in
     block) run=(benchmarks/block_bench.py --impls unfused,fused,mamba-ssm --csv "$LOG/block_bench.csv") ;;
@@ -150,6 +153,8 @@ for what in block decode varlen throughput; do
     varlen) run=(benchmarks/varlen_bench.py --csv "$LOG/varlen_bench.csv") ;;
     throughput) run=(benchmarks/inference_throughput.py --csv "$LOG/inference_throughput.csv"
                      --png "$LOG/inference_throughput.png") ;;
+    profile) run=(benchmarks/block_bench.py --impls unfused,fused --sizes 130M --shapes 8x2048,1x16384
+                  --profile --csv "$LOG/block_profile.csv") ;;
   esac
   $PY "${run[@]}" > "$LOG/$what.log" 2>&1 || status=1
   extra+="$what: $(tail -n 3 "$LOG/$what.log")"$'\n'
