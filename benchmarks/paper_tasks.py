@@ -50,11 +50,11 @@ PREFIX_accuracy.csv (per test length, with the paper's Mamba figure beside), and
 PREFIX_loss.png (loss curves of every impl/variant) and PREFIX_accuracy.png (accuracy per length
 against the paper's row). --smoke writes under the temporary directory unless --out is given.
 
-Wall time on one H200 (estimates, not yet measured for this script: from benchmarks/selective_copying.py's
-12.5 ms per step, host-bound, and the scan kernels' times on shapes of the same size; each run prints
-its own): selective-copying, 16000 steps of 64 x 4096 tokens, about 3-5 minutes per impl and variant;
-induction-heads, 8000 steps of 64 x 256 tokens, about 1-2 minutes, plus 10-20 s of evaluation up to
-2^20. impl reference is a Python loop over the tokens: about 0.1-0.2 s per induction-heads step (so
+Wall time on one H200 (measured 2026-12-05 with several runs sharing the GPU, so upper bounds; each
+run prints its own; docs/results.md, section 6): selective-copying, 16000 steps of 64 x 4096 tokens,
+under 5.5 minutes per impl and variant (49 steps a second with two runs sharing the GPU);
+induction-heads, 8000 steps of 64 x 256 tokens, about 2.4 minutes with eight runs sharing it, plus
+85-100 s of evaluation up to 2^20 (512 sequences a length). impl reference is a Python loop over the tokens: about 0.1-0.2 s per induction-heads step (so
 --steps 300 for a side-by-side run), a second or more per selective-copying step, and test lengths above
 --reference-max-eval-len (8192) are skipped. With --ckpt, a run stopped by SIGTERM or Ctrl-C saves its
 checkpoint at the next step boundary, and one killed outright keeps the last save (every --ckpt-every
