@@ -528,6 +528,30 @@ def test_generate_name_stays_the_function_after_importing_the_command_module():
     assert torch.equal(selscan_fused.generate(m, ids, 3), generate(m, ids, 3))
 
 
+def test_add_norm_fused_only_where_nothing_is_differentiated(monkeypatch):
+    """Block.forward asks for the fused add + RMSNorm under no_grad and for the PyTorch operations while
+    autograd records (the kernel has no backward); off CUDA the fused request falls back to the same
+    math, so both logits agree exactly here."""
+    import selscan_fused.model as model_mod
+    fresh_seed()
+    m = small_lm(layers=3)
+    ids = torch.randint(0, 97, (2, 11))
+    seen = []
+    real = model_mod.add_norm
+
+    def spy(norm, hidden, residual, residual_in_fp32, fused=False):
+        seen.append(fused)
+        return real(norm, hidden, residual, residual_in_fp32, fused)
+    monkeypatch.setattr(model_mod, "add_norm", spy)
+    with torch.no_grad():
+        a = m(ids)
+    assert seen == [True] * 3
+    seen.clear()
+    b = m(ids)
+    assert seen == [False] * 3 and b.requires_grad
+    assert torch.equal(a, b.detach())
+
+
 # ---- the CUDA paths (GPU) ----
 
 def _gpu_pair(dtype, tie=False):
