@@ -84,25 +84,65 @@ __device__ __forceinline__ float exp2_poly(float x) {
 }
 
 // The scan's store of kCh adjacent channels of one token (row = sequence * L + token): the layer's y,
-// or, for the block (p.z given), y before the gate to p.y_ungated when set, then y * silu(z). One
-// uniform branch per store: the layer's loop is unchanged, the block shares its instantiations.
+// or, for the block (p.z given), y before the gate to p.y_ungated when set, then y * silu(z) with zv
+// the token's z, loaded a token group ahead (GateRows). One uniform branch per store: the layer's
+// loop is unchanged, the block shares its instantiations.
 template <int kCh, class EO>
-__device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t row, int64_t d, float (&out)[kCh]) {
+__device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t row, int64_t d, float (&out)[kCh],
+                                          const float (&zv)[kCh]) {
   if (p.z != nullptr) {
     if (p.y_ungated != nullptr) store_vals<kCh>(static_cast<EO*>(p.y_ungated) + row * p.dim + d, out);
-    float zv[kCh];
-    load_vals<kCh>(static_cast<const EO*>(p.z) + row * p.z_stride + d, zv);
     CUTE_UNROLL
     for (int ch = 0; ch < kCh; ++ch) out[ch] *= silu(zv[ch]);
   }
   store_vals<kCh>(yp, out);
 }
 
-// The block's gate reads z in the store (store_out), right before each store, where no other load is in
-// flight: from DRAM that is a full memory latency per store (docs/perf/block.md, "The fused block, first
-// measurement"). At the start of each scan tile the scan threads fetch z's rows of this tile and the
-// next into L2 (one prefetch per 128-byte line of the tile's channels), so that those loads wait an L2
-// hit. Only when p.z is set: the layer's tile loop is unchanged.
+// The gate's z for the token a scan thread stores in each token group (token t0 + tg + g of the tile),
+// loaded one group ahead: the load of group tg + kG is issued in group tg and kept as raw bits until
+// group tg + kG converts them at its store, so that no instruction waits for the load before a whole
+// group's arithmetic has passed. (A load in store_out's branch, converted on the spot, stalled every
+// store: it cannot move above the branch nor above the previous group's store of y.) Rows past the
+// sequence read nothing (z = 0 there; those tokens are not stored).
+template <int kCh, class EO>
+struct GateRows {
+  static constexpr int kBytes = kCh * int(sizeof(EO));  // 2, 4 or 8: one access
+  using Raw = std::conditional_t<kBytes == 2, uint16_t, std::conditional_t<kBytes == 4, uint32_t, uint2>>;
+  const EO* row;  // z at token t0 + g of the tile, channel d
+  int64_t step;   // z's stride between token groups (kG rows)
+  Raw next;       // the next group's z, as loaded
+  __device__ __forceinline__ void load(int grp, bool live) {
+    next = live ? *reinterpret_cast<const Raw*>(row + grp * step) : Raw{};
+  }
+  static __device__ __forceinline__ void to_float(const Raw& r, float (&v)[kCh]) {
+    if constexpr (cute::is_same_v<EO, float>) {
+      if constexpr (kCh == 1) {
+        v[0] = __uint_as_float(r);
+      } else {
+        v[0] = __uint_as_float(r.x); v[1] = __uint_as_float(r.y);
+      }
+    } else if constexpr (cute::is_same_v<EO, cutlass::bfloat16_t>) {  // bf16: the high half of a float
+      if constexpr (kCh == 1) {
+        v[0] = __uint_as_float(uint32_t(r) << 16);
+      } else {
+        v[0] = __uint_as_float(r << 16); v[1] = __uint_as_float(r & 0xffff0000u);
+      }
+    } else {
+      static_assert(cute::is_same_v<EO, cutlass::half_t>, "z is float, bfloat16 or float16");
+      if constexpr (kCh == 1) {
+        v[0] = __half2float(__ushort_as_half(r));
+      } else {
+        v[0] = __half2float(__ushort_as_half(uint16_t(r & 0xffffu)));
+        v[1] = __half2float(__ushort_as_half(uint16_t(r >> 16)));
+      }
+    }
+  }
+};
+
+// The block's gate: at the start of each scan tile the scan threads fetch z's rows of this tile and the
+// next into L2 (one prefetch per 128-byte line of the tile's channels), so that GateRows' loads, a
+// token group ahead of their use, wait an L2 hit rather than DRAM (docs/perf/block.md, "The fused
+// block"). Only when p.z is set: the layer's tile loop is unchanged.
 template <class Cfg>
 __device__ __forceinline__ void prefetch_gate_rows(const FusedParams& p, int64_t b, int64_t j, int64_t t0, int tid) {
   using EO = typename Cfg::ElementIn;
@@ -197,6 +237,13 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const float* cp = Cfg::kNarrow ? &ss.C[ps][0][0] + (n0 / 2) * 4 : &ss.C[ps][0][n0];
       EO* yp = static_cast<EO*>(p.y) + (s.b * p.seqlen + t0 + g) * p.dim + d;  // token t0 + g
       const int64_t y_step = kG * p.dim;
+      // The block's gate (p.z set, a uniform branch): z of the first token group now, each next one a
+      // group ahead (GateRows).
+      const bool gate = kFull && p.z != nullptr;
+      GateRows<kCh, EO> zr;
+      zr.row = gate ? static_cast<const EO*>(p.z) + (s.b * p.seqlen + t0 + g) * p.z_stride + d : nullptr;
+      zr.step = kG * p.z_stride;
+      zr.load(0, gate && g < n_valid);
 
       // One loop per exp mode, chosen once per tile (a branch per exponential would split the loop
       // body into basic blocks and stop the compiler from interleaving the chains).
@@ -204,6 +251,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
         constexpr bool kPoly = decltype(poly_tag)::value;
 #pragma unroll kTokenUnroll
         for (int tg = 0; tg < kT; tg += kG) {
+          const auto z_raw = zr.next;  // this group's z (the gate only), converted at the store
+          if (gate && tg + kG < kT) zr.load(tg / kG + 1, tg + kG + g < n_valid);
           float dt[kG][kCh], dtx[kG][kCh];
           [[maybe_unused]] float xv[kG][kCh];  // the x tile's values (not read by the narrow layout)
           CUTE_UNROLL
@@ -300,7 +349,9 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
             float xg[1];
             load_vals<1>(xp + (tg + g) * Cfg::kDt, xg);
             float out[1] = {fmaf(dskip[0], xg[0], v[0])};
-            if (tg + g < n_valid) store_out<1>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out);
+            float zv[1];
+            GateRows<1, EO>::to_float(z_raw, zv);
+            if (tg + g < n_valid) store_out<1>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out, zv);
             yp += y_step;
           } else if (kFull) {
             // Per channel, reduce-scatter over the 4 threads of the channel: thread g ends with token
@@ -318,7 +369,9 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
               const float xg = g == 0 ? xv[0][ch] : (g == 1 ? xv[1][ch] : (g == 2 ? xv[2][ch] : xv[3][ch]));
               out[ch] = fmaf(dskip[ch], xg, total);
             }
-            if (tg + g < n_valid) store_out<kCh>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out);
+            float zv[kCh];
+            GateRows<kCh, EO>::to_float(z_raw, zv);
+            if (tg + g < n_valid) store_out<kCh>(p, yp, s.b * p.seqlen + t0 + tg + g, d, out, zv);
             yp += y_step;
           } else {
             CUTE_UNROLL
