@@ -44,8 +44,9 @@ Evaluation: fixed validation sets (--eval-seed) at every length of the paper's t
 TinyLM.forward_chunked (pieces of --eval-chunk tokens, each block's final (ssm_state, conv_state)
 carried to the next piece), and only the positions that are scored get logits.
 
-Outputs (PREFIX = --out, default docs/paper_tasks_<task>; rows of other impl/variant runs already in a
-CSV are kept, this run's replaced): PREFIX_loss.csv (task, impl, variant, step, loss, accuracy, lr),
+Outputs (PREFIX = --out, default docs/paper_tasks_<task>; rows of other runs (impl, variant, --seed)
+already in a CSV are kept, this run's replaced, so that several seeds of one path sit side by side):
+PREFIX_loss.csv (task, impl, variant, seed, step, loss, accuracy, lr),
 PREFIX_accuracy.csv (per test length, with the paper's Mamba figure beside), and with matplotlib
 PREFIX_loss.png (loss curves of every impl/variant) and PREFIX_accuracy.png (accuracy per length
 against the paper's row). --smoke writes under the temporary directory unless --out is given.
@@ -530,7 +531,8 @@ def evaluate(model: TinyLM, impl: str, a, device) -> list[dict]:
     use_amp = device.type == "cuda"
     rows = []
     for L in a.eval_lengths:
-        row = {"task": a.task, "impl": impl, "variant": variant(a), "length": L, "train_length": a.length,
+        row = {"task": a.task, "impl": impl, "variant": variant(a), "seed": a.seed, "length": L,
+               "train_length": a.length,
                "steps": a.steps, "n_sequences": a.eval_n, "accuracy": "", "exact": "",
                "paper_mamba": PAPER_MAMBA[a.task] if (a.task == "induction-heads" or L == 4096) else "",
                "status": "ok"}
@@ -580,8 +582,8 @@ def probe(impl: str, a, device) -> str | None:
 # ---------------------------------------------------------------------------------------------------
 # Outputs
 
-LOSS_FIELDS = ["task", "impl", "variant", "step", "loss", "accuracy", "lr"]
-ACC_FIELDS = ["task", "impl", "variant", "length", "train_length", "steps", "n_sequences", "accuracy", "exact",
+LOSS_FIELDS = ["task", "impl", "variant", "seed", "step", "loss", "accuracy", "lr"]
+ACC_FIELDS = ["task", "impl", "variant", "seed", "length", "train_length", "steps", "n_sequences", "accuracy", "exact",
               "paper_mamba", "status"]
 
 
@@ -592,14 +594,26 @@ def read_rows(path: str) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def merge_write(path: str, fields: list[str], new_rows: list[dict], replace: set[tuple[str, str]]):
-    """Writes the CSV: its rows of (impl, variant) pairs in `replace` are replaced by new_rows, others kept."""
-    rows = [r for r in read_rows(path) if (r.get("impl"), r.get("variant")) not in replace] + new_rows
+def run_of(row: dict) -> tuple[str, str, str]:
+    """A CSV row's run: (impl, variant, seed), the seed as text ("0" for rows written before the column)."""
+    return row.get("impl"), row.get("variant"), str(row.get("seed") or 0)
+
+
+def merge_write(path: str, fields: list[str], new_rows: list[dict], replace: set[tuple[str, str, str]]):
+    """Writes the CSV: its rows of the runs (impl, variant, seed) in `replace` are replaced by new_rows,
+    the other runs' rows kept."""
+    rows = [r for r in read_rows(path) if run_of(r) not in replace] + new_rows
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+
+
+def run_label(groups: dict, impl: str, var: str, seed: str) -> str:
+    """A run's legend: "impl, variant", with its seed where the runs have several seeds."""
+    seeds = {k[2] for k in groups}
+    return f"{impl}, {var}" + (f", seed {seed}" if len(seeds) > 1 else "")
 
 
 def plot(prefix: str, task: str) -> list[str]:
@@ -617,10 +631,10 @@ def plot(prefix: str, task: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         groups = {}
         for r in loss_rows:
-            groups.setdefault((r["impl"], r["variant"]), []).append((int(r["step"]), float(r["loss"])))
-        for (impl, var), pts in sorted(groups.items()):
+            groups.setdefault(run_of(r), []).append((int(r["step"]), float(r["loss"])))
+        for (impl, var, seed), pts in sorted(groups.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"{impl}, {var}",
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=run_label(groups, impl, var, seed),
                     ls="-" if var == "selective" else "--")
         ax.set(xlabel="step", ylabel="cross-entropy (scored positions)", yscale="log",
                title=f"{task}: training loss")
@@ -635,14 +649,14 @@ def plot(prefix: str, task: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         groups = {}
         for r in acc_rows:
-            groups.setdefault((r["impl"], r["variant"]), []).append((int(r["length"]), float(r["accuracy"])))
+            groups.setdefault(run_of(r), []).append((int(r["length"]), float(r["accuracy"])))
         if task == "induction-heads":
             lengths = sorted({L for pts in groups.values() for L, _ in pts})
             ax.plot(lengths, [PAPER_MAMBA[task]] * len(lengths), "k:", lw=2, label="paper: Mamba (Table 2)")
-            for (impl, var), pts in sorted(groups.items()):
+            for (impl, var, seed), pts in sorted(groups.items()):
                 pts.sort()
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                        ls="-" if var == "selective" else "--", label=f"{impl}, {var}")
+                        ls="-" if var == "selective" else "--", label=run_label(groups, impl, var, seed))
             train_L = int(acc_rows[0]["train_length"])
             ax.axvline(train_L, color="gray", lw=0.8)
             ax.text(train_L, 2, " trained here", fontsize=7, color="gray")
@@ -650,7 +664,7 @@ def plot(prefix: str, task: str) -> list[str]:
             ax.set_xscale("log", base=2)
         else:
             train_L = int(acc_rows[0]["train_length"])
-            names = ["paper: Mamba (S6), L 4096"] + [f"{impl}, {var}" for (impl, var) in sorted(groups)]
+            names = ["paper: Mamba (S6), L 4096"] + [run_label(groups, *k) for k in sorted(groups)]
             # each run's accuracy at its training length (the first test length when it was not tested there)
             vals = [PAPER_MAMBA[task]] + [dict(groups[k]).get(train_L, groups[k][0][1]) for k in sorted(groups)]
             bars = ax.bar(range(len(names)), vals, zorder=2,
@@ -793,9 +807,10 @@ def main(argv=None) -> dict:
             t1 = time.time()
             results["accuracy"][impl] = evaluate(model, impl, a, device)
             results["seconds"][impl] = (t1 - t0, time.time() - t1)
-            key = {(impl, variant(a))}
+            key = {(impl, variant(a), str(a.seed))}
             merge_write(a.out + "_loss.csv", LOSS_FIELDS,
-                        [{"task": a.task, "impl": impl, "variant": variant(a), "step": s, "loss": f"{loss:.6f}",
+                        [{"task": a.task, "impl": impl, "variant": variant(a), "seed": a.seed, "step": s,
+                          "loss": f"{loss:.6f}",
                           "accuracy": f"{acc:.6f}", "lr": f"{lr:.3e}"} for s, loss, acc, lr in log], key)
             merge_write(a.out + "_accuracy.csv", ACC_FIELDS, results["accuracy"][impl], key)
             print(f"{impl}/{variant(a)}: training {t1 - t0:.0f} s, evaluation {time.time() - t1:.0f} s")

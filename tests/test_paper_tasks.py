@@ -150,6 +150,30 @@ def test_smoke_run_writes_csvs(task, tmp_path):
     assert sum(r["variant"] == "selective" for r in loss_rows) == steps
 
 
+def test_seeds_sit_side_by_side_in_the_csvs(tmp_path):
+    """Runs of one path from several --seed values keep their own rows (a rerun replaces only its seed's),
+    and rows written before the seed column count as seed 0."""
+    task = "induction-heads"
+    base = ["--steps", "3", "--eval-lengths", "16"]
+    paper_tasks.main(_smoke_argv(task, tmp_path, *base))
+    seed1 = paper_tasks.main(_smoke_argv(task, tmp_path, *base, "--seed", "1"))["logs"]["reference"]
+    loss_rows = paper_tasks.read_rows(str(tmp_path / f"{task}_loss.csv"))
+    assert sorted({paper_tasks.run_of(r) for r in loss_rows}) == [("reference", "selective", "0"),
+                                                                   ("reference", "selective", "1")]
+    assert [float(r["loss"]) for r in loss_rows if r["seed"] == "1"] == pytest.approx([x[1] for x in seed1], abs=1e-6)
+    acc = paper_tasks.read_rows(str(tmp_path / f"{task}_accuracy.csv"))
+    assert sorted(r["seed"] for r in acc) == ["0", "1"]
+    # a rerun of seed 0 replaces seed 0's rows only
+    paper_tasks.main(_smoke_argv(task, tmp_path, *base))
+    loss_rows = paper_tasks.read_rows(str(tmp_path / f"{task}_loss.csv"))
+    assert [r["seed"] for r in loss_rows].count("0") == 3 and [r["seed"] for r in loss_rows].count("1") == 3
+    # a CSV of the earlier layout (no seed column): its rows are seed 0's
+    old = tmp_path / "old_loss.csv"
+    old.write_text("task,impl,variant,step,loss,accuracy,lr\ninduction-heads,fused,selective,0,1.0,0.5,1e-3\n")
+    paper_tasks.merge_write(str(old), paper_tasks.LOSS_FIELDS, [], {("fused", "selective", "0")})
+    assert paper_tasks.read_rows(str(old)) == []
+
+
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, capsys):
     task = "induction-heads"
     base = ["--steps", "8", "--eval-lengths", "16", "--log-every", "3"]
