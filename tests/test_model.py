@@ -625,7 +625,8 @@ def test_inference_forward_fuses_the_add_and_norm(monkeypatch, dtype, tol):
         assert seen == [False] * len(gpu.backbone.layers), seen
     for out in (fused_out, plain_out):
         assert rel_l2(out.float().cpu(), full64) < tol
-    assert rel_l2(fused_out.float(), plain_out.detach().float()) < (1e-6 if dtype == torch.float32 else tol)
+    # float32: the two differ by the norm's summation order only
+    assert rel_l2(fused_out.float(), plain_out.detach().float()) < (1e-5 if dtype == torch.float32 else tol)
 
 
 @requires_cuda
