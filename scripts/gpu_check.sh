@@ -75,6 +75,32 @@ skip=",${SELSCAN_GPU_CHECK_SKIP:-},"
 # SELSCAN_TEST_TIMEOUT (s, default 900): pytest-timeout's limit per test, where installed.
 # SELSCAN_TESTS_LIMIT (s, default none): the whole parallel run's limit. Each failure's report is in
 # LOGDIR/failures.log as it happens (tests/conftest.py), also when the run is stopped at that limit.
+# SELSCAN_BACKGROUND="cmd1;;cmd2": commands run in the background while the tests run (correctness work
+# that does not time anything, e.g. resumable training runs: benchmarks/paper_tasks.py ... --ckpt), each
+# in its own process group with its log in LOGDIR/background_<i>.log; sent SIGTERM when the tests end
+# (paper_tasks.py saves its checkpoint then) and given 30 s to stop.
+bg_pids=()
+if [ -n "${SELSCAN_BACKGROUND:-}" ]; then
+  i=0
+  while IFS= read -r cmd; do
+    [ -n "$cmd" ] || continue
+    setsid bash -c "$cmd" > "$LOG/background_$i.log" 2>&1 &
+    bg_pids+=($!)
+    i=$((i + 1))
+  done < <(printf '%s\n' "${SELSCAN_BACKGROUND//;;/$'\n'}")
+fi
+stop_background() {
+  [ ${#bg_pids[@]} -gt 0 ] || return 0
+  for pid in "${bg_pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
+  for _ in $(seq 1 30); do
+    alive=0
+    for pid in "${bg_pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 1
+  done
+  bg_pids=()
+}
+
 if [[ $skip != *,tests,* ]]; then
   export SELSCAN_FAILURE_LOG="$LOG/failures.log"
   : > "$SELSCAN_FAILURE_LOG"
@@ -100,6 +126,7 @@ if [[ $skip != *,tests,* ]]; then
 else
   echo "tests: left out (SELSCAN_GPU_CHECK_SKIP)" > "$LOG/tests.log"
 fi
+stop_background
 t2=$(date +%s)
 
 if [[ $skip != *,bench,* ]]; then
