@@ -10,7 +10,7 @@ namespace selscan {
 // Whether the kernels take these sizes (the binding says which argument is out of range).
 inline bool decode_supports(int dstate, int dt_rank, int width) {
   return dstate >= 1 && dstate <= kDecodeMaxState && dt_rank >= 1 && dt_rank <= kDecodeMaxRank && width >= 2 &&
-         width <= 4;
+         width <= kDecodeMaxWidth;
 }
 
 // Two launches on `stream`: the conv (conv_state only read) and x_proj's partial sums per channel tile,

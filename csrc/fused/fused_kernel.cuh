@@ -114,28 +114,9 @@ struct GateRows {
   __device__ __forceinline__ void load(int grp, bool live) {
     next = live ? *reinterpret_cast<const Raw*>(row + grp * step) : Raw{};
   }
+  // load_vals' conversion, applied to the bits already in registers.
   static __device__ __forceinline__ void to_float(const Raw& r, float (&v)[kCh]) {
-    if constexpr (cute::is_same_v<EO, float>) {
-      if constexpr (kCh == 1) {
-        v[0] = __uint_as_float(r);
-      } else {
-        v[0] = __uint_as_float(r.x); v[1] = __uint_as_float(r.y);
-      }
-    } else if constexpr (cute::is_same_v<EO, cutlass::bfloat16_t>) {  // bf16: the high half of a float
-      if constexpr (kCh == 1) {
-        v[0] = __uint_as_float(uint32_t(r) << 16);
-      } else {
-        v[0] = __uint_as_float(r << 16); v[1] = __uint_as_float(r & 0xffff0000u);
-      }
-    } else {
-      static_assert(cute::is_same_v<EO, cutlass::half_t>, "z is float, bfloat16 or float16");
-      if constexpr (kCh == 1) {
-        v[0] = __half2float(__ushort_as_half(r));
-      } else {
-        v[0] = __half2float(__ushort_as_half(uint16_t(r & 0xffffu)));
-        v[1] = __half2float(__ushort_as_half(uint16_t(r >> 16)));
-      }
-    }
+    load_vals<kCh>(reinterpret_cast<const EO*>(&r), v);
   }
 };
 
