@@ -35,7 +35,7 @@ from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_
                   UNFUSED_DIM_MULTIPLE, ScanConfig, _sm90, cuda_input_reason, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d, causal_conv1d_packed
-from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
+from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
                      packed_batch_error, run_per_sequence)
 
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
@@ -218,26 +218,18 @@ def mamba_block(
         if x.shape[0] != 1:
             raise packed_batch_error("hidden_states", x, "d_model")
         S = check_cu_seqlens(cu_seqlens, x.shape[1], x.device, validate=validate, x_name="hidden_states")
-        # The messages are made only for an error (a formatted num_seqs would specialise a compiled graph).
-        def why():
-            return f"num_seqs = {S} from cu_seqlens, d_inner = {d_inner} from A_log"
+        why = f"from cu_seqlens, d_inner = {d_inner} from A_log"  # num_seqs formatted only for an error
         if h0 is not None:
-            check_per_sequence("h0", h0, (S, d_inner, N), lambda: f"{why()}, d_state = {N} from A_log", x.device,
-                               "hidden_states")
+            check_per_sequence("h0", h0, (S, d_inner, N), lambda: f"num_seqs = {S} {why}, d_state = {N} from A_log",
+                               x.device, "hidden_states")
         if conv_state is not None:
             check_per_sequence("conv_state", conv_state, (S, d_inner, W - 1),
-                               lambda: f"{why()}, d_conv = {W} from conv_weight: the last d_conv - 1 inputs of the "
-                               "conv", x.device, "hidden_states")
+                               lambda: f"num_seqs = {S} {why}, d_conv = {W} from conv_weight: the last d_conv - 1 "
+                               "inputs of the conv", x.device, "hidden_states")
     if x.is_cuda and x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))
-    if packed and impl == "auto" and x.is_cuda:  # the packed kernels are the unfused path's
-        if extension_available() and block_unsupported_reason("unfused", x, d_inner, N, W) is None:
-            chosen = "unfused"
-        else:
-            warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
-            chosen = "reference"
-    else:
-        chosen = resolve_block_impl(impl, x, d_inner, N, W)
+    # 'auto' gives 'unfused' or 'reference', the paths that take packed sequences too
+    chosen = resolve_block_impl(impl, x, d_inner, N, W)
     if packed and chosen not in ("reference", "unfused"):
         raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()

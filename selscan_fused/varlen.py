@@ -19,6 +19,8 @@ the host, since it runs the sequences one by one, and so always checks them.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = ["check_cu_seqlens", "sequence_bounds"]
@@ -83,7 +85,8 @@ def packed_batch_error(name: str, t: torch.Tensor, what: str) -> ValueError:
                       f"(1, total_tokens, {what}); got shape {tuple(t.shape)} (batch {t.shape[0]})")
 
 
-def check_per_sequence(name: str, t, shape: tuple, why, device: torch.device, x_name: str = "x") -> None:
+def check_per_sequence(name: str, t, shape: tuple, why: Callable[[], str], device: torch.device,
+                       x_name: str = "x") -> None:
     """A per-sequence state (h0, conv_state) given with cu_seqlens: a floating-point tensor of `shape`
     (num_seqs first) on `device`. `why` (where the expected sizes come from) is a callable returning the
     text, called only for the error: formatting num_seqs into a string would make torch.compile specialise
