@@ -171,9 +171,7 @@ def main(argv=None):
         model = None
         if cuda:
             torch.cuda.empty_cache()
-    print(PAPER)
-    if args.csv:
-        write_csv(args.csv, rows)
+    print(PAPER)  # the CSV holds every row already (written after each)
     if args.png:
         plot(rows, args.png)
     return rows

@@ -528,21 +528,26 @@ def test_generate_name_stays_the_function_after_importing_the_command_module():
     assert torch.equal(selscan_fused.generate(m, ids, 3), generate(m, ids, 3))
 
 
-def test_add_norm_fused_only_where_nothing_is_differentiated(monkeypatch):
-    """Block.forward asks for the fused add + RMSNorm under no_grad and for the PyTorch operations while
-    autograd records (the kernel has no backward); off CUDA the fused request falls back to the same
-    math, so both logits agree exactly here."""
+def record_add_norm(monkeypatch) -> list:
+    """The `fused` argument of every add_norm call the model makes from now on, in call order."""
     import selscan_fused.model as model_mod
-    fresh_seed()
-    m = small_lm(layers=3)
-    ids = torch.randint(0, 97, (2, 11))
-    seen = []
-    real = model_mod.add_norm
+    seen, real = [], model_mod.add_norm
 
     def spy(norm, hidden, residual, residual_in_fp32, fused=False):
         seen.append(fused)
         return real(norm, hidden, residual, residual_in_fp32, fused)
     monkeypatch.setattr(model_mod, "add_norm", spy)
+    return seen
+
+
+def test_add_norm_fused_only_where_nothing_is_differentiated(monkeypatch):
+    """Block.forward asks for the fused add + RMSNorm under no_grad and for the PyTorch operations while
+    autograd records (the kernel has no backward); off CUDA the fused request falls back to the same
+    math, so both logits agree exactly here."""
+    fresh_seed()
+    m = small_lm(layers=3)
+    ids = torch.randint(0, 97, (2, 11))
+    seen = record_add_norm(monkeypatch)
     with torch.no_grad():
         a = m(ids)
     assert seen == [True] * 3
@@ -602,20 +607,13 @@ def test_inference_forward_fuses_the_add_and_norm(monkeypatch, dtype, tol):
     """Under no_grad (the prefill's case) every layer's residual add + RMSNorm runs as the one kernel;
     with autograd recording, as PyTorch operations. Both against the float64 evaluation, and the two
     against each other within float32 summation order (float32) or the dtype's rounding (bfloat16)."""
-    import selscan_fused.model as model_mod
     fresh_seed()
     cpu, gpu = _gpu_pair(dtype)
     ids = torch.randint(0, 203, (2, 257))
     ref64 = MambaLM(cpu.config, impl="reference", dtype=torch.float64)
     ref64.load_state_dict({k: v.double().cpu() for k, v in gpu.state_dict().items()})
     full64 = ref64(ids).detach()
-    seen = []
-    real = model_mod.add_norm
-
-    def spy(norm, hidden, residual, residual_in_fp32, fused=False):
-        seen.append(fused)
-        return real(norm, hidden, residual, residual_in_fp32, fused)
-    monkeypatch.setattr(model_mod, "add_norm", spy)
+    seen = record_add_norm(monkeypatch)
     with matmul_precision("float32-highest"):
         with torch.no_grad():
             fused_out = gpu(ids.cuda())
