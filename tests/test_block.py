@@ -146,7 +146,9 @@ def test_reference_in_pieces_equals_one_call_and_steps():
     o3, h3, c3 = block(x[:, 3:], h0=h2, conv_state=c2, return_final_state=True)
     torch.testing.assert_close(torch.cat([o1, o2, o3], 1), out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h3, h, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(c3, conv, rtol=0, atol=0)
+    # the conv state is in_proj's output for the last tokens: the same values, up to the rounding of a
+    # product over a different number of rows (BLAS may block it differently)
+    torch.testing.assert_close(c3, conv, rtol=1e-12, atol=1e-12)
     # the decode step, token by token, from zero states
     cs = torch.zeros(2, 64, 3, dtype=torch.float64)
     ss = torch.zeros(2, 64, 8, dtype=torch.float64)
