@@ -171,6 +171,28 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> sum_partials(const at::Ten
   return {dA_log, dDdb_part[0].sum(0), dDdb_part[1].sum(0)};
 }
 
+// dW = G^T . X over the K = batch * L rows of G (K, M) and X (K, D): the backward's weight gradients.
+// cuBLAS 13.0's split-K kernels on the H100 (nvjet ..._splitK, picked for a small M or D and a long K)
+// drop part of a last partial K tile of 64: with K = 4097 (one row past a multiple of 64) dW_B was
+// 1.8% off, the missing row's share, and a float32 output or
+// torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction = False did not change it
+// (docs/reliability.md, "cuBLAS split-K and a partial K tile"). So the product runs over the rows up to
+// a multiple of 64 and over the rest (fewer than 64) apart; 16-bit products have float32 outputs,
+// summed, then rounded once to the dtype.
+inline at::Tensor weight_grad(const at::Tensor& G, const at::Tensor& X) {
+  constexpr int64_t kTile = 64;
+  const int64_t K = G.size(0), K0 = K / kTile * kTile;
+  const bool half = G.scalar_type() != at::kFloat;
+  auto prod = [&](int64_t k0, int64_t n) {
+    const at::Tensor g = G.narrow(0, k0, n).t(), x = X.narrow(0, k0, n);
+    return half ? at::mm(g, x, at::kFloat) : at::mm(g, x);
+  };
+  if (K0 == K) return half ? prod(0, K).to(G.scalar_type()) : prod(0, K);
+  at::Tensor out = prod(K0, K - K0);
+  if (K0 > 0) out.add_(prod(0, K0));
+  return half ? out.to(G.scalar_type()) : out;
+}
+
 inline std::vector<at::Tensor> finish_backward(const at::Tensor& x, const at::Tensor& W, const at::Tensor& A_log,
                                                at::Tensor& dP, at::Tensor& dx, const at::Tensor& bc_part,
                                                const at::Tensor& dA_part, const at::Tensor& dDdb_part,
@@ -181,9 +203,9 @@ inline std::vector<at::Tensor> finish_backward(const at::Tensor& x, const at::Te
   const at::Tensor dP2 = dP.view({BL, P});
   dx.view({BL, Dm}).addmm_(dP2, W);  // dx = dx_scan + dP . W
   const at::Tensor x2 = x.view({BL, Dm});
-  at::Tensor dW_delta = at::mm(dP2.narrow(1, 0, Dm).t(), x2);   // dz^T . x
-  at::Tensor dW_B = at::mm(dP2.narrow(1, Dm, N).t(), x2);       // dB^T . x
-  at::Tensor dW_C = at::mm(dP2.narrow(1, Dm + N, N).t(), x2);   // dC^T . x
+  at::Tensor dW_delta = weight_grad(dP2.narrow(1, 0, Dm), x2);   // dz^T . x
+  at::Tensor dW_B = weight_grad(dP2.narrow(1, Dm, N), x2);       // dB^T . x
+  at::Tensor dW_C = weight_grad(dP2.narrow(1, Dm + N, N), x2);   // dC^T . x
   return {dx, dA_log, dW_delta, db, dW_B, dW_C, dD, dh0};
 }
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._extension import extension_available, fused_extension_available
+from ._linear import weight_grad
 
 CKPT_EVERY = 64  # tokens between the forward's checkpoints (csrc/common/checkpoints.h)
 
@@ -291,7 +292,7 @@ def _fused_block_backward(ctx, dy, dhT, *unused):
                                                                         ckpt, ctx.l_segments)
         d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
         d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
-        d_dt_w = torch.matmul(d_delta.reshape(-1, Dm).t(), dt_low.reshape(-1, R))     # (d_inner, R)
+        d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)
         dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
     return (du, dxdbl, dz, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 

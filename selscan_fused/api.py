@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
 from ._extension import extension_available, fused_extension_available, require_extension
+from ._linear import linear
 from .reference import selective_scan_ref
 from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
                      packed_batch_error, run_per_sequence)
@@ -443,7 +444,7 @@ def selective_scan(
             raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their "
                              "scan is never split along L)")
         with torch.autocast("cuda", enabled=False):
-            proj = F.linear(x, torch.cat([W_delta, W_B, W_C], 0))
+            proj = linear(x, torch.cat([W_delta, W_B, W_C], 0))  # weight gradient: _linear.weight_grad
             delta, bc = proj.split([x.shape[-1], 2 * N], dim=-1)  # one concatenation in the backward
             y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(delta, bc, x, None, A_log, b_delta, D, h0, cu_seqlens,
                                                                  return_final_state, train)

@@ -4,7 +4,8 @@ mamba-ssm's and Hugging Face's parameter names, shapes and initialisation).
 The math and every tensor's shape are in selscan_fused/block_reference.py and docs/math.md ("The
 Mamba-1 block"). Paths (`impl=`):
     "reference"  plain PyTorch (block_reference.mamba_block_ref), any device, float64 too
-    "unfused"    library products for in_proj / x_proj / dt_proj / out_proj (cuBLAS through F.linear),
+    "unfused"    library products for in_proj / x_proj / dt_proj / out_proj (cuBLAS; their weight
+                 gradients through _linear.weight_grad, which no token count can make drop a token),
                  this project's causal-conv kernel with the SiLU fused (csrc/conv/), and the layer's scan
                  kernel with the block's gate (csrc/scan/: delta_pre from dt_proj's product, [B | C] read
                  in place from x_proj's output, y = (scan + D u) * silu(z) written by the kernel);
@@ -25,11 +26,11 @@ import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
 from ._extension import extension_available, require_extension
+from ._linear import linear
 from ._extension import fused_extension_available
 from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS,
                   UNFUSED_DIM_MULTIPLE, ScanConfig, _sm90, cuda_input_reason, unfused_dstate_reason)
@@ -256,7 +257,7 @@ def mamba_block(
     xdt = x.dtype
     f32 = torch.float32
     with torch.autocast("cuda", enabled=False):
-        xz = F.linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))          # (batch, L, 2 d_inner)
+        xz = linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))            # (batch, L, 2 d_inner)
         xi, z = xz.split(d_inner, dim=-1)  # one concatenation in the backward (slices would add two full zeros)
         if packed:  # the window restarts at every sequence start; conv_state and conv_T per sequence
             u, conv_T = causal_conv1d_packed(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
@@ -265,9 +266,9 @@ def mamba_block(
         else:
             u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                       _as(conv_state, xdt), activation=True, return_final_state=True)
-        xdbl = F.linear(u, _as(x_proj_weight, xdt))                                  # (batch, L, R + 2N)
+        xdbl = linear(u, _as(x_proj_weight, xdt))                                    # (batch, L, R + 2N)
         # delta_pre, no bias (the fused kernel makes it itself)
-        delta = None if chosen == "fused" else F.linear(xdbl[..., :R], _as(dt_proj_weight, xdt))
+        delta = None if chosen == "fused" else linear(xdbl[..., :R], _as(dt_proj_weight, xdt))
         A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
         # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
         train = torch.is_grad_enabled() and any(
@@ -282,7 +283,7 @@ def mamba_block(
         else:
             y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
                 delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)
-        out = F.linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
+        out = linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
     return (out, h, conv_T) if return_final_state else out
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._linear import linear
 from .api import IMPLS
 from .block import Mamba, mamba_block
 from .decode import mamba_block_step, norm_op_available, resolve_step_impl
@@ -371,7 +372,7 @@ class MambaLM(nn.Module):
         if logits_rows is not None:
             residual = residual[:, logits_rows]
         hidden = self.backbone.norm_f(residual.to(self.backbone.norm_f.weight.dtype))
-        logits = self.lm_head(hidden)
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)  # weight gradient: _linear.weight_grad
         return (logits, new_states) if return_states else logits
 
     # ---- decoding ----

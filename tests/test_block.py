@@ -271,6 +271,16 @@ def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_o
     assert not bad, f"over the {mode} bound {tol:.0e}: {bad}"
 
 
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_weight_gradients_with_tokens_one_past_a_multiple_of_64(impl, poisoned_outputs):
+    """batch * L = 8193 with x_proj's (80, 1536) weight: cuBLAS 13.0's split-K kernels on the H100 drop the
+    last token from such a weight gradient (selscan_fused/_linear.py); the block's products must not."""
+    test_cuda_values_and_gradients_against_float64(impl, "bfloat16", (1, 8193, 768, 16, 4, False, False, 2),
+                                                   poisoned_outputs)
+
+
 @requires_transformers
 @requires_cuda
 @requires_extension
