@@ -20,19 +20,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import selscan_fused  # noqa: F401,E402
 from selscan_fused.reference import scan_ref  # noqa: E402
+from conftest import rel_l2  # noqa: E402
+from test_backward import NAMES, make_case  # noqa: E402
 
 CKPT = 64
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1,4097,2048,16")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--segments", default="0,1,2,4")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--repeats", type=int, default=3)
@@ -40,28 +37,18 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="only the repeat and split comparisons")
     a = ap.parse_args()
     batch, L, Dm, N = map(int, a.shape.split(","))
-    dt = getattr(torch, a.dtype)
     torch.manual_seed(a.seed)
-    dev = "cuda"
-    bound = Dm ** -0.5
-    u = lambda *s: (torch.rand(*s, device=dev) * 2 - 1) * bound
-    x = torch.randn(batch, L, Dm, device=dev).to(dt)
-    A_log = torch.randn(Dm, N, device=dev)
-    W_delta, W_B, W_C = u(Dm, Dm).to(dt), u(N, Dm).to(dt), u(N, Dm).to(dt)
-    b_delta = u(Dm)
-    b_delta[::7] += 25.0
-    D = torch.randn(Dm, device=dev)
-    h0 = torch.randn(batch, Dm, N, device=dev)
-    scale = 2.0 ** -6 if dt == torch.float16 else 1.0
-    dy = (torch.randn(batch, L, Dm, device=dev) * scale).to(dt)
-    dhT = torch.randn(batch, Dm, N, device=dev) * scale
+    # the inputs of tests/test_backward.py's cases (make_case): b_delta past softplus's threshold on
+    # every 7th channel, float16's loss scale
+    inp, dy, dhT = make_case(batch, L, Dm, N, "float32-highest" if a.dtype == "float32" else a.dtype, True, True)
+    x, A_log, W_delta, b_delta, W_B, W_C, D, h0 = (inp[k] for k in NAMES)
     print(f"device {torch.cuda.get_device_name()} shape {a.shape} {a.dtype} seed {a.seed}", flush=True)
 
     ops = torch.ops.selscan_fused
     y, hT, proj, ckpt = ops.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, 0)
     _, _, _, ckpt1 = ops.unfused_fwd_res(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, 1)
     print("forward plan (auto):", ops.scan_plan(x, N, 0), " checkpoints auto vs unsplit: rel",
-          f"{rel(ckpt, ckpt1):.2e}", "max abs", f"{(ckpt - ckpt1).abs().max().item():.2e}", flush=True)
+          f"{rel_l2(ckpt, ckpt1):.2e}", "max abs", f"{(ckpt - ckpt1).abs().max().item():.2e}", flush=True)
     delta_pre, bc = proj[..., :Dm], proj[..., Dm:]
 
     ref = None
@@ -101,7 +88,7 @@ def main():
             rn = r.reshape(batch * L, -1)
             tok_err = e.norm(dim=1)
             scale_t = rn.norm(dim=1).mean().clamp_min(1e-300)
-            print(f"  {k}: rel L2 {rel(g, r):.3e}; per-token error / mean token norm: median "
+            print(f"  {k}: rel L2 {rel_l2(g, r):.3e}; per-token error / mean token norm: median "
                   f"{(tok_err / scale_t).median().item():.2e} max {(tok_err / scale_t).max().item():.2e}")
             top = torch.topk(tok_err / scale_t, min(a.top, batch * L))
             rows = [(int(i) // L, int(i) % L) for i in top.indices]
@@ -114,11 +101,11 @@ def main():
             r64 = ref[k].reshape(batch * L, -1).T @ x2.double()
             f64 = g2.double().T @ x2.double()
             lib = torch.mm(g2.t(), x2)
-            print(f"  {name}: kernel's outputs in float64 {rel(f64, r64):.3e}; library product {rel(lib, r64):.3e};"
-                  f" library vs float64 product of the same values {rel(lib, f64):.3e}")
+            print(f"  {name}: kernel's outputs in float64 {rel_l2(f64, r64):.3e}; library product {rel_l2(lib, r64):.3e};"
+                  f" library vs float64 product of the same values {rel_l2(lib, f64):.3e}")
     segs = list(results)
     for s in segs[1:]:
-        print(f"\n  split {s} vs {segs[0]}: " + ", ".join(f"{k} {rel(results[s][k], results[segs[0]][k]):.2e}"
+        print(f"\n  split {s} vs {segs[0]}: " + ", ".join(f"{k} {rel_l2(results[s][k], results[segs[0]][k]):.2e}"
                                                       for k in results[s]))
 
 

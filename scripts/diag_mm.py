@@ -3,14 +3,20 @@ GPU, for several ways of calling the library, against float64 (GPU).
 
 G is a column slice of a wider (K, P) 16-bit tensor, as the backward's dP is; X is (K, D). Prints, per
 shape and variant: the relative L2 error against the float64 product of the same values, the median
-time (CUDA events, 20 runs after warm-up) and the library kernels that ran (torch.profiler).
+time (benchmarks/bench.py's median_ms: CUDA events, the L2 flushed before each of 20 runs, after a
+warm-up) and the library kernels that ran (torch.profiler).
 
     python scripts/diag_mm.py
 """
 import contextlib
-import statistics
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench import median_ms  # noqa: E402
+from selscan_fused._linear import weight_grad  # noqa: E402
 
 SHAPES = [  # (K, M, D, P): G = P[:, off:off+M] of a (K, P) tensor, X (K, D); dW (M, D)
     (4097, 16, 2048, 2080),
@@ -53,17 +59,9 @@ VARIANTS = {
 
 
 def timed(fn, n=20):
-    for _ in range(3):
+    for _ in range(3):  # warm-up (the library's heuristics and workspace)
         fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return median_ms(fn, n)
 
 
 def kernels(fn):
@@ -104,20 +102,6 @@ if __name__ == "__main__" and "--map" not in __import__("sys").argv:
     main()
 
 
-def weight_grad_split(G, X, tile=64):
-    """The backward's product as csrc/op_checks.h forms it: rows up to a multiple of `tile`, then the rest,
-    each with a float32 output, summed and rounded once."""
-    K = G.shape[0]
-    K0 = K // tile * tile
-    out = None
-    if K0:
-        out = torch.mm(G[:K0].t(), X[:K0], out_dtype=torch.float32)
-    if K0 < K:
-        tail = torch.mm(G[K0:].t(), X[K0:], out_dtype=torch.float32)
-        out = tail if out is None else out + tail
-    return out.to(G.dtype)
-
-
 def trigger_map():
     """Which K (= batch * L) give a wrong product, for the backward's and the block's weight-gradient shapes."""
     torch.manual_seed(1)
@@ -137,12 +121,12 @@ def trigger_map():
                 ref = G.double().t() @ X.double()
                 err = lambda o, r=ref: ((o.double() - r).norm() / r.norm()).item()  # noqa: E731
                 e = err(torch.mm(G.t(), X))
-                es = err(weight_grad_split(G, X))
+                es = err(weight_grad(G, X))
                 if e > level or es > level:
                     bad += 1
                     drop = err(torch.mm(G.t(), X), G[:-1].double().t() @ X[:-1].double()) if K > 1 else float("nan")
                     print(f"  M={M:5d} D={Dm:5d} K={K:6d}: mm {e:.2e} (vs the product without the last row: "
-                          f"{drop:.2e}); split product {es:.2e}; {kernels(lambda: torch.mm(G.t(), X))}")
+                          f"{drop:.2e}); _linear.weight_grad {es:.2e}; {kernels(lambda: torch.mm(G.t(), X))}")
         print(f"  {bad} wrong of {len(shapes) * len(Ks)}")
 
 
