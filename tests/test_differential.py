@@ -151,3 +151,17 @@ def test_packed_cases_are_drawn_and_judged():
     c = replace(base, impl="reference", Dm=16, N=8, lengths=(40, 60), batch=1, L=100, with_h0=False,
                 backward=False, mode="float32-highest", a_log_lo=-3.0, a_log_hi=-1.0)
     assert run_case(c, device="cpu", path=ignores_cu) != []
+
+
+def test_overflow_of_the_dtypes_design_is_accepted_and_nothing_else():
+    """A float16 answer that is inf where the design's evaluation (the dtype's intermediates) overflows
+    too passes, and its other elements are still judged; inf where the design stays finite fails."""
+    from differential import _check
+    ref = torch.tensor([1.0, 2.0, 3000.0, 4.0], dtype=torch.float64)
+    design = torch.tensor([1.0, 2.0, float("inf"), 4.0])
+    out = torch.tensor([1.0, 2.0, float("inf"), 4.0], dtype=torch.float16)
+    assert _check("out", out, ref.float(), ref, 1e-2, design) == []
+    assert _check("out", out, ref.float(), ref, 1e-2, None) != []          # no design: the float64 rule
+    wrong = torch.tensor([1.0, 2.5, float("inf"), 4.0], dtype=torch.float16)
+    assert _check("out", wrong, ref.float(), ref, 1e-2, design) != []      # the finite elements still judged
+    assert _check("out", out, ref.float(), ref, 1e-2, torch.tensor([1.0, 2.0, 3000.0, 4.0])) != []
