@@ -78,7 +78,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import selscan_fused  # noqa: E402
-from selscan_fused.block import block_unsupported_reason, resolve_block_impl  # noqa: E402
+from selscan_fused.block import block_unsupported_reason, conv_tail, resolve_block_impl  # noqa: E402
 from selscan_fused.conv import causal_conv1d, causal_conv1d_ref  # noqa: E402
 from selscan_fused.reference import scan_ref  # noqa: E402
 
@@ -237,21 +237,24 @@ class TimeInvariantMamba(selscan_fused.Mamba):
             xz = F.linear(x, self.in_proj.weight.to(xdt),
                           None if self.in_proj.bias is None else self.in_proj.bias.to(xdt))
             xi, z = xz[..., :d_inner], xz[..., d_inner:]
-            u, conv_T = causal_conv1d(xi, conv_w.to(f32), None if conv_b is None else conv_b.to(f32),
-                                      None if conv_state is None else conv_state.to(xdt), activation=True,
-                                      return_final_state=True)
             A_log, dt_bias, D = self.A_log.to(f32), self.dt_proj.bias.to(f32), self.D.to(f32)
             h0f = None if h0 is None else h0.to(f32)
-            if impl == "fused":  # the fused kernel on the broadcast constants [dt_low | B | C]
+            cs = None if conv_state is None else conv_state.to(xdt)
+            if impl == "fused":  # the fused kernels on the broadcast constants [dt_low | B | C] (given xdbl)
                 R = self.dt_rank
                 xdbl = torch.cat([self.dt_low, self.B_const, self.C_const]).to(xdt).expand(batch, L, R + 2 * N)
                 xdbl = xdbl.contiguous()
                 dt_w = self.dt_proj.weight.to(xdt)
+                cw, cb = conv_w.to(f32), None if conv_b is None else conv_b.to(f32)
+                csf = None if cs is None else cs.to(f32)
                 train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                        for t in (xdbl, dt_w, u, z, A_log, dt_bias, D, h0f))
-                y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(u, xdbl, z, dt_w, A_log, dt_bias, D, h0f,
-                                                                     return_final_state, train, 0)
+                                                        for t in (xdbl, dt_w, xz, cw, cb, csf, A_log, dt_bias, D, h0f))
+                y, h, _, _, _ = torch.ops.selscan_fused.fused_block_fwd(xz, cw, cb, csf, None, xdbl, dt_w, A_log,
+                                                                        dt_bias, D, h0f, return_final_state, train, 0)
+                conv_T = conv_tail(xi, cs, W)
             else:
+                u, conv_T = causal_conv1d(xi, conv_w.to(f32), None if conv_b is None else conv_b.to(f32), cs,
+                                          activation=True, return_final_state=True)
                 delta = F.linear(self.dt_low.to(xdt), self.dt_proj.weight.to(xdt))        # delta_pre, (d_inner,)
                 delta = delta.expand(batch, L, d_inner).contiguous()
                 bc = torch.cat([self.B_const, self.C_const]).to(xdt).expand(batch, L, 2 * N).contiguous()

@@ -265,27 +265,33 @@ if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed")
 
 
 def _fused_block_setup(ctx, inputs, output):
-    """fused_block_fwd: keep what the backward needs (x_proj's output, not delta: it is recomputed)."""
-    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs
-    _, _, ckpt, y_ungated = output
+    """fused_block_fwd: keep what the backward needs: in_proj's output xz (u is recomputed from it),
+    x_proj's output (made by the op or given), the checkpoints and y before the gate."""
+    xz, conv_w, conv_b, conv_state, wx, xdbl_in, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs
+    _, _, ckpt, y_ungated, xdbl_out = output
     ctx.training, ctx.l_segments = training, l_segments
-    ctx.save_for_backward(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, ckpt, y_ungated)
+    ctx.save_for_backward(xz, conv_w, conv_b, conv_state, wx, xdbl_out if wx is not None else xdbl_in, dt_w, A_log,
+                          dt_bias, D, h0, ckpt, y_ungated)
     ctx.set_materialize_grads(False)
 
 
-def _fused_block_backward(ctx, dy, dhT, *unused):
-    """The fused block's backward: dt_proj's product recomputed by the library (delta_pre, rounded to the
-    dtype as the unfused path holds it), then the unfused path's gate and backward scan kernels, and the
-    product's gradients: d dt_low = d delta_pre W, d W = d delta_pre^T dt_low."""
+def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_yu, d_xdbl_out):
+    """The fused block's backward: u recomputed by the conv kernel (bitwise the forward's), dt_proj's
+    product recomputed by the library (delta_pre, rounded to the dtype as the unfused path holds it),
+    the unfused path's gate and backward scan kernels, then the products' gradients (dt_proj: d dt_low =
+    d delta_pre W, d W = d delta_pre^T dt_low; x_proj: du += d xdbl W_x, d W_x = d xdbl^T u) and the
+    conv's backward kernel."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: fused_block_fwd was called with training=False and keeps nothing for "
                            "a backward; call it with training=True (selscan_fused.mamba_block does)")
-    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, ckpt, yu = ctx.saved_tensors
-    Dm, R = u.shape[-1], dt_w.shape[1]
+    xz, conv_w, conv_b, conv_state, wx, xdbl, dt_w, A_log, dt_bias, D, h0, ckpt, yu = ctx.saved_tensors
+    Dm, R = A_log.shape[0], dt_w.shape[1]
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
+    xi, z = xz[..., :Dm], xz[..., Dm:]
     dt_low, bc = xdbl[..., :R], xdbl[..., R:]
     with torch.autocast("cuda", enabled=False):
+        u, _ = torch.ops.selscan_fused.causal_conv1d_fwd(xi, conv_w, conv_b, conv_state, True, False)
         delta = torch.nn.functional.linear(dt_low, dt_w)
         dyu, dz = _gate_backward(dy, z, yu)
         dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dyu, dhT,
@@ -294,14 +300,31 @@ def _fused_block_backward(ctx, dy, dhT, *unused):
         d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
         d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)
         dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
-    return (du, dxdbl, dz, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
+        if d_xdbl_out is not None and d_xdbl_out.numel() > 0:
+            dxdbl = dxdbl + d_xdbl_out
+        d_wx = d_xdbl_in = None
+        if wx is not None:  # x_proj inside the op: its gradients, and its share of du
+            du = du + torch.matmul(dxdbl, wx)
+            d_wx = weight_grad(dxdbl.reshape(-1, dxdbl.shape[-1]), u.reshape(-1, Dm))
+        else:
+            d_xdbl_in = dxdbl
+        dxi, d_cw, d_cb, d_cs = torch.ops.selscan_fused.causal_conv1d_bwd(xi, conv_w, conv_b, conv_state, du, None,
+                                                                           True)
+        dxz = torch.cat([dxi, dz], dim=-1)
+    return (dxz, d_cw, d_cb if conv_b is not None else None, d_cs if conv_state is not None else None, d_wx,
+            d_xdbl_in, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 
 
 if fused_extension_available():
 
     @torch.library.register_fake("selscan_fused::fused_block_fwd")
-    def _fused_block_fwd_fake(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, return_final_state, training, l_segments):
-        return _gated_fake(u, A_log, return_final_state, training)
+    def _fused_block_fwd_fake(xz, conv_w, conv_b, conv_state, wx, xdbl, dt_w, A_log, dt_bias, D, h0,
+                              return_final_state, training, l_segments):
+        batch, L, _ = xz.shape
+        Dm, N = A_log.shape
+        y, h, ckpt, yu = _gated_fake(xz.new_empty((batch, L, Dm)), A_log, return_final_state, training)
+        xd = xz.new_empty((batch, L, dt_w.shape[1] + 2 * N) if wx is not None else (0,))
+        return y, h, ckpt, yu, xd
 
     torch.library.register_autograd("selscan_fused::fused_block_fwd", _fused_block_backward,
                                     setup_context=_fused_block_setup)

@@ -10,13 +10,15 @@ Mamba-1 block"). Paths (`impl=`):
                  kernel with the block's gate (csrc/scan/: delta_pre from dt_proj's product, [B | C] read
                  in place from x_proj's output, y = (scan + D u) * silu(z) written by the kernel);
                  backward: the layer's backward scan kernel, the conv's backward kernel, the products
-    "fused"      (sm_90: H100/H200) the layer's fused kernel with the block's two policies: delta from the
-                 low rank (dt_proj on the tensor cores inside the scan's launch, reading x_proj's output
-                 [dt_low | B | C]; no delta tensor in device memory) and the gated output (y * silu(z)
-                 stored by the kernel); in_proj, x_proj, out_proj by cuBLAS, the conv by this project's
-                 kernel (its output u is still written: the first step of the design in
-                 docs/perf/block.md); backward: dt_proj's product recomputed, then the unfused path's
-                 gate and backward scan kernels
+    "fused"      (sm_90: H100/H200) in_proj and out_proj by cuBLAS; between them two kernels
+                 (torch.ops.selscan_fused.fused_block_fwd): block_xproj (the conv + SiLU per token tile in
+                 shared memory, x_proj on the tensor cores: [dt_low | B | C]) and the layer's fused kernel
+                 with the block's policies: the conv recomputed for its own channels (u in shared memory
+                 only), delta from the low rank (dt_proj on the tensor cores inside the scan's launch) and
+                 the gated output (y * silu(z) stored by the kernel). No (batch, L, d_inner) tensor of u,
+                 delta or y before the gate in device memory (training keeps y before the gate for the
+                 backward); backward: u recomputed by the conv kernel, dt_proj's product recomputed, then
+                 the unfused path's gate and backward scan kernels, x_proj's products, the conv's backward
     "auto"       the unfused path where it supports the inputs (CUDA), the reference otherwise ('fused'
                  is chosen by measurement, once measured: docs/perf/block.md)
 """
@@ -39,9 +41,10 @@ from .conv import causal_conv1d, causal_conv1d_packed
 from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
                      packed_batch_error, run_per_sequence)
 
-__all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS"]
+__all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS", "conv_tail"]
 
 BLOCK_D_CONVS = (2, 3, 4)  # conv widths the CUDA conv kernel is compiled for
+FUSED_BLOCK_MAX_XPROJ = 384  # dt_rank + 2 d_state: x_proj's outputs in the fused block's first kernel
 
 
 def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,
@@ -105,8 +108,10 @@ def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv
     return d_model, d_inner, N, R, W
 
 
-def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d_conv: int) -> str | None:
-    """Why `impl` ('unfused' or 'fused') cannot run the block on these inputs, or None when it can."""
+def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d_conv: int,
+                             dt_rank: int | None = None) -> str | None:
+    """Why `impl` ('unfused' or 'fused') cannot run the block on these inputs, or None when it can
+    (dt_rank: checked when given)."""
     if impl == "fused":
         reason = cuda_input_reason(impl, x, "hidden_states")
         if reason is not None:
@@ -124,6 +129,9 @@ def block_unsupported_reason(impl: str, x: torch.Tensor, d_inner: int, d_state: 
         if d_conv not in BLOCK_D_CONVS:
             return (f"d_conv = {d_conv} is not supported by impl='fused' (supported: "
                     f"{', '.join(map(str, BLOCK_D_CONVS))}); use impl='reference'")
+        if dt_rank is not None and dt_rank + 2 * d_state > FUSED_BLOCK_MAX_XPROJ:
+            return (f"impl='fused' takes dt_rank + 2 d_state up to {FUSED_BLOCK_MAX_XPROJ} (x_proj's outputs; got "
+                    f"{dt_rank} + 2 * {d_state} = {dt_rank + 2 * d_state}); use impl='unfused'")
         if x.shape[0] >= FUSED_MAX_COUNT or x.shape[1] >= FUSED_MAX_COUNT:
             return (f"impl='fused' takes batch and L below 2^31 (got batch = {x.shape[0]}, L = {x.shape[1]}); "
                     "use impl='unfused'")
@@ -161,6 +169,19 @@ def resolve_block_impl(impl: str, x: torch.Tensor, d_inner: int, d_state: int, d
 
 def _as(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def conv_tail(xi: torch.Tensor, conv_state: torch.Tensor | None, W: int) -> torch.Tensor:
+    """The conv's final state: its last W - 1 inputs (batch, d_inner, W - 1) in xi's dtype, conv_state's
+    (or zeros) where the sequence is shorter than W - 1; differentiable in xi and conv_state (the fused
+    path's, which writes no conv output; the conv kernel returns the same values)."""
+    batch, L, d_inner = xi.shape
+    tail = xi[:, max(L - (W - 1), 0):]
+    if L < W - 1:
+        before = (conv_state.transpose(1, 2) if conv_state is not None
+                  else xi.new_zeros((batch, W - 1, d_inner)))
+        tail = torch.cat([before.to(xi.dtype), tail], dim=1)[:, L:]
+    return tail.transpose(1, 2).contiguous()
 
 
 def mamba_block(
@@ -244,7 +265,7 @@ def mamba_block(
                 out, h, conv = run_per_sequence(lambda xs, hs, cs: mamba_block_ref(xs, *weights, hs, cs), x,
                                                 cu_seqlens, (h0, conv_state), "hidden_states")
         return (out, h, conv) if return_final_state else out
-    reason = block_unsupported_reason(chosen, x, d_inner, N, W)
+    reason = block_unsupported_reason(chosen, x, d_inner, N, W, R)
     if reason is not None:
         raise ValueError(f"selscan_fused: {reason}")
     if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":
@@ -258,6 +279,24 @@ def mamba_block(
     f32 = torch.float32
     with torch.autocast("cuda", enabled=False):
         xz = linear(x, _as(in_proj_weight, xdt), _as(in_proj_bias, xdt))            # (batch, L, 2 d_inner)
+        if chosen == "fused" and not packed:
+            # The conv, x_proj, dt_proj, the scan, D and the gate in two kernels from in_proj's output:
+            # block_xproj (conv + SiLU per token tile, x_proj: [dt_low | B | C]) and the fused kernel
+            # (the conv again for its channels, dt_proj on the tensor cores, the scan, the gate); neither
+            # u, delta nor y before the gate reaches device memory outside training.
+            cs = _as(conv_state, xdt)  # the unfused path's rounding of a float32 conv_state
+            cw = _as(conv_weight, f32).reshape(d_inner, W)
+            A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
+            wx, dt_w = _as(x_proj_weight, xdt), _as(dt_proj_weight, xdt)
+            train = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (xz, cw, conv_bias, cs, wx, dt_w, A_log, dt_bias, D, h0))
+            y, h, _, _, _ = torch.ops.selscan_fused.fused_block_fwd(
+                xz, cw, _as(conv_bias, f32), _as(cs, f32), wx, None, dt_w, A_log, dt_bias, D, h0,
+                return_final_state, train, cfg.l_segments)
+            out = linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
+            if not return_final_state:
+                return out
+            return out, h, conv_tail(xz[..., :d_inner], cs, W)
         xi, z = xz.split(d_inner, dim=-1)  # one concatenation in the backward (slices would add two full zeros)
         if packed:  # the window restarts at every sequence start; conv_state and conv_T per sequence
             u, conv_T = causal_conv1d_packed(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
@@ -267,8 +306,7 @@ def mamba_block(
             u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                       _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = linear(u, _as(x_proj_weight, xdt))                                    # (batch, L, R + 2N)
-        # delta_pre, no bias (the fused kernel makes it itself)
-        delta = None if chosen == "fused" else linear(xdbl[..., :R], _as(dt_proj_weight, xdt))
+        delta = linear(xdbl[..., :R], _as(dt_proj_weight, xdt))                      # delta_pre, no bias
         A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
         # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
         train = torch.is_grad_enabled() and any(
@@ -276,10 +314,6 @@ def mamba_block(
         if packed:  # the scan kernel with one work item per (sequence, channel tile)
             y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(
                 delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, cu_seqlens, return_final_state, train)
-        elif chosen == "fused":  # delta made on the tensor cores inside the scan's launch
-            y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(
-                u, xdbl, z, _as(dt_proj_weight, xdt), A_log, dt_bias, D, h0, return_final_state, train,
-                cfg.l_segments)
         else:
             y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
                 delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)

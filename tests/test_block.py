@@ -466,10 +466,11 @@ def test_gate_bwd_kernel_against_float64(dtype, batch, L, d):
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_block_equals_unfused_and_writes_no_delta(dtype):
+def test_fused_block_equals_unfused_and_writes_no_conv_output_or_delta(dtype):
     """The fused block against the unfused one on the same weights (both round the products alike but
     delta: the fused kernel keeps dt_proj's product in float32), the auto rule unchanged, and the fused
-    forward's peak memory at least one (batch, L, d_inner) tensor (delta) below the unfused one's."""
+    forward's peak memory at least two (batch, L, d_inner) tensors (the conv's output u and delta) below
+    the unfused one's."""
     fresh_seed()
     base = cuda_block(256, 16, 4, False, "unfused").to(dtype)
     x = torch.randn(4, 4096, 256, device="cuda", dtype=dtype)
@@ -484,27 +485,105 @@ def test_fused_block_equals_unfused_and_writes_no_delta(dtype):
             before = torch.cuda.memory_allocated()
             outs[impl] = base(x)
             peaks[impl] = torch.cuda.max_memory_allocated() - before
-    delta_bytes = 4 * 4096 * base.d_inner * 2
+    act_bytes = 4 * 4096 * base.d_inner * 2  # one (batch, L, d_inner) tensor
     print(f"peak extra MiB: unfused {peaks['unfused'] / 2**20:.1f}, fused {peaks['fused'] / 2**20:.1f}; "
-          f"delta {delta_bytes / 2**20:.1f}; fused vs unfused rel {rel_l2(outs['fused'], outs['unfused']):.2e}")
-    assert peaks["fused"] <= peaks["unfused"] - 0.9 * delta_bytes
+          f"(batch, L, d_inner) {act_bytes / 2**20:.1f}; fused vs unfused rel {rel_l2(outs['fused'], outs['unfused']):.2e}")
+    assert peaks["fused"] <= peaks["unfused"] - 1.9 * act_bytes
     assert rel_l2(outs["fused"], outs["unfused"]) < 1e-2
+
+
+def fused_block_case(batch, L, di, N, R, W, dtype, with_states=True):
+    """Random inputs of torch.ops.selscan_fused.fused_block_fwd (xz, conv weight/bias/state, x_proj's and
+    dt_proj's weights, A_log, dt bias, D, h0)."""
+    f = dict(device="cuda", dtype=dtype)
+    xz = torch.randn(batch, L, 2 * di, **f)
+    cw = torch.randn(di, W, device="cuda") * 0.5
+    cb = torch.randn(di, device="cuda") * 0.1
+    cs = torch.randn(batch, di, W - 1, **f).float() if with_states else None
+    wx = (torch.randn(R + 2 * N, di, device="cuda") * di ** -0.5).to(dtype)
+    dt_w = (torch.randn(di, R, device="cuda") * 0.3).to(dtype)
+    A_log = torch.randn(di, N, device="cuda")
+    b = torch.randn(di, device="cuda") - 3
+    D = torch.randn(di, device="cuda")
+    h0 = torch.randn(batch, di, N, device="cuda") if with_states else None
+    return xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0
 
 
 @requires_cuda
 @requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch,L,di,N,R,W", [(1, 1, 64, 16, 4, 4), (3, 7, 128, 8, 3, 2), (2, 1000, 192, 16, 12, 3),
+                                               (1, 4097, 64, 16, 160, 4), (2, 65, 64, 64, 200, 4)])
+def test_fused_block_xproj_kernel_against_float64(dtype, batch, L, di, N, R, W, poisoned_outputs):
+    """The fused block's first kernel (block_xproj.cu: the conv + SiLU per token tile in shared memory,
+    then x_proj): xdbl against float64 products of the conv kernel's u (which the kernel's u equals
+    bitwise), every element within the dtype's rounding plus float32 accumulation; R + 2N over both
+    fragment layouts (<= 192 and up to 384), conv_state and zeros, L across token tiles."""
+    fresh_seed()
+    for with_states in (True, False):
+        xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, dtype, with_states)
+        y, hT, ckpt, yu, xdbl = torch.ops.selscan_fused.fused_block_fwd(
+            xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True, False, 0)
+        u = torch.ops.selscan_fused.causal_conv1d_fwd(xz[..., :di], cw, cb, cs, True, False)[0]
+        want = u.double() @ wx.double().T
+        scale = u.double().abs() @ wx.double().abs().T
+        eps = {torch.float32: 2 ** -20, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+        assert xdbl.shape == (batch, L, R + 2 * N) and xdbl.dtype == dtype
+        assert torch.isfinite(xdbl).all()
+        err = (xdbl.double() - want).abs()
+        assert (err <= eps * want.abs() + 1e-5 * scale + 1e-30).all(), (err / (want.abs() + scale)).max().item()
+        assert torch.isfinite(y).all() and torch.isfinite(hT).all()
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,L,di,W,l_segments", [(1, 1, 64, 4, 0), (3, 7, 128, 2, 0), (2, 1000, 192, 3, 0),
+                                                      (1, 4097, 128, 4, 0), (1, 4097, 64, 4, 8), (2, 300, 64, 4, 3)])
+def test_fused_block_conv_in_kernel_equals_conv_kernel(dtype, batch, L, di, W, l_segments, poisoned_outputs):
+    """The fused kernel's in-kernel conv (u made in shared memory from xz; the W - 1 inputs before a
+    tile from the previous tile, from xz at an L segment's start, from conv_state before token 0): y and
+    the final state against a float64 scan of the conv kernel's u (bitwise the in-kernel one) with the
+    kernel's own xdbl, forced L splits included."""
+    fresh_seed()
+    N, R = 16, 4
+    xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, dtype)
+    y, hT, _, _, xdbl = torch.ops.selscan_fused.fused_block_fwd(
+        xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True, False, l_segments)
+    # float64 from the conv kernel's u (bitwise the in-kernel one) and the kernel's own xdbl
+    from selscan_fused.reference import scan_ref
+    u = torch.ops.selscan_fused.causal_conv1d_fwd(xz[..., :di], cw, cb, cs, True, False)[0]
+    xd = xdbl.double()
+    delta = torch.nn.functional.softplus(xd[..., :R] @ dt_w.double().T + b.double())
+    y64, h64 = scan_ref(u.double(), delta, A_log.double(), xd[..., R:R + N], xd[..., R + N:], D.double(), h0.double())
+    y64 = y64 * torch.nn.functional.silu(xz[..., di:].double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.isfinite(y).all()
+    assert rel_l2(y, y64) < tol, rel_l2(y, y64)
+    assert rel_l2(hT, h64) < tol, rel_l2(hT, h64)
+
+
+@requires_cuda
+@requires_hopper
+def test_fused_block_envelope_errors_name_the_argument():
+    """x_proj's outputs beyond the first kernel's 384 and a packed call: errors naming the argument and the
+    path to use; the unfused path runs the same block."""
+    fresh_seed()
+    block = cuda_block(64, 64, 4, False, "fused", dt_rank=300).to(torch.bfloat16)
+    x = torch.randn(1, 9, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dt_rank \+ 2 d_state up to 384.*300 \+ 2 \* 64 = 428.*impl='unfused'"):
+        block(x)
+    block.impl = "unfused"
+    assert torch.isfinite(block(x)).all()
+
+
+@requires_hopper
 def test_fused_block_op_opcheck():
     fresh_seed()
-    batch, L, di, N, R = 2, 70, 64, 16, 3  # R + 2N = 35: the padded product operand
-    f = dict(device="cuda", dtype=torch.bfloat16)
-    u = torch.randn(batch, L, di, **f)
-    xdbl = torch.randn(batch, L, R + 2 * N, **f)
-    xz = torch.randn(batch, L, 2 * di, **f)
-    dt_w = torch.randn(di, R, **f) * 0.3
-    A_log = torch.randn(di, N, device="cuda")
-    b = torch.randn(di, device="cuda") - 3
-    D = torch.randn(di, device="cuda")
-    h0 = torch.randn(batch, di, N, device="cuda")
-    args = (u, xdbl, xz.split(di, -1)[1], dt_w, A_log, b, D, h0, True, True, 0)
-    torch.library.opcheck(torch.ops.selscan_fused.fused_block_fwd, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    batch, L, di, N, R, W = 2, 70, 64, 16, 3, 4  # R + 2N = 35: the padded product operand
+    xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, torch.bfloat16)
+    for args in ((xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True, True, 0),
+                 (xz, cw, None, None, None, torch.randn(batch, L, R + 2 * N, device="cuda", dtype=torch.bfloat16),
+                  dt_w, A_log, b, D, None, False, True, 0)):
+        torch.library.opcheck(torch.ops.selscan_fused.fused_block_fwd, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -27,6 +27,7 @@
 
 #include "../common/device_math.cuh"
 #include "../common/seq_map.h"
+#include "conv_math.cuh"
 #include "conv_params.h"
 
 namespace selscan {
@@ -66,15 +67,6 @@ __device__ __forceinline__ void store_vec(T* ptr, const float (&in)[kV]) {
   *reinterpret_cast<R*>(ptr) = raw;
 }
 
-// x * sigmoid(x). __expf(-x) is +inf below x ~ -88.7, where the quotient is -0 (the limit); NaN stays NaN.
-__device__ __forceinline__ float silu_f(float a) { return __fdividef(a, 1.f + __expf(-a)); }
-
-// d silu / d a = s * (1 + a * (1 - s)), s = sigmoid(a).
-__device__ __forceinline__ float dsilu_f(float a) {
-  const float s = __fdividef(1.f, 1.f + __expf(-a));
-  return s * fmaf(a, 1.f - s, 1.f);
-}
-
 // The per-thread constants: weight[c0 + v, k] (the kV rows are kV * kW consecutive floats) and bias.
 template <int kW, int kV>
 __device__ __forceinline__ void load_weights(const float* __restrict__ weight, const float* __restrict__ bias,
@@ -101,19 +93,6 @@ __device__ __forceinline__ void load_halo(const T* x, int64_t token_stride, cons
 #pragma unroll
       for (int v = 0; v < kV; ++v) win[j][v] = init != nullptr ? init[v * (kW - 1) + (kW - 1) + s] : 0.f;
     }
-  }
-}
-
-// pre for one token: bias + sum_{k < kW-1} w[k] * win[k] + w[kW-1] * xt.
-template <int kW, int kV>
-__device__ __forceinline__ void conv_pre(const float (&w)[kW][kV], const float (&bs)[kV], const float (&win)[kW - 1][kV],
-                                         const float (&xt)[kV], float (&pre)[kV]) {
-#pragma unroll
-  for (int v = 0; v < kV; ++v) {
-    float a = bs[v];
-#pragma unroll
-    for (int k = 0; k < kW - 1; ++k) a = fmaf(w[k][v], win[k][v], a);
-    pre[v] = fmaf(w[kW - 1][v], xt[v], a);
   }
 }
 

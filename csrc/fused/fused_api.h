@@ -113,4 +113,26 @@ cudaError_t fused_bwd_plan(const FusedParams& p, int64_t requested_segments, int
 cudaError_t fused_bwd_launch(const FusedParams& p, const ScanBwdParams& q, int threads_per_channel,
                              cudaStream_t stream);
 
+// ---- The fused block's first kernel (block_xproj.cu): x_proj's product [dt_low | B | C] = u W_x^T for
+// every token, with u = silu(conv(xi)) made per (64-token, 64-channel) tile in shared memory, so that
+// u never reaches device memory; the fused kernel then recomputes u for its own channels
+// (FusedParams::conv_weight). 16-bit: tensor cores (mma.sync through WMMA), float32 accumulation, the
+// output rounded once; float32: float32 FMA (exact products, as cuBLAS under "highest").
+struct BlockXprojParams {
+  int64_t batch = 0, seqlen = 0;
+  int64_t dim = 0;                       // d_inner: a multiple of 64
+  int64_t out_dim = 0;                   // R + 2N, at most kBlockXprojMaxOut
+  int width = 4;                         // d_conv, 2 .. 4
+  DType dtype = DType::kBFloat16;
+  const void* x = nullptr;               // xi: (batch, L, dim), channel stride 1, dtype
+  int64_t x_token_stride = 0, x_batch_stride = 0;
+  const float* conv_weight = nullptr;    // (dim, width)
+  const float* conv_bias = nullptr;      // (dim,) or null
+  const float* conv_state = nullptr;     // (batch, dim, width - 1) or null (zeros)
+  const void* weight = nullptr;          // x_proj's weight (out_dim, dim), contiguous, 16-byte aligned, dtype
+  void* out = nullptr;                   // (batch, L, out_dim), contiguous, dtype
+};
+constexpr int64_t kBlockXprojMaxOut = 384;
+cudaError_t block_xproj_launch(const BlockXprojParams& p, cudaStream_t stream);
+
 }  // namespace selscan

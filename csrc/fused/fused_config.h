@@ -168,6 +168,9 @@ struct SharedStorage {
   alignas(16) float dt[Cfg::kPStages][Cfg::kT][Cfg::kLdDt];   // softplus(acc + bias); 0 past L
   alignas(16) float B[Cfg::kPStages][Cfg::kT][Cfg::kLdN];
   alignas(16) float C[Cfg::kPStages][Cfg::kT][Cfg::kLdN];
+  // The block's conv inside the kernel (FusedParams::conv_weight): the last W - 1 <= 3 inputs of the
+  // previous x tile, by tile parity (fused_kernel.cuh, conv_in_tile).
+  alignas(16) float conv_halo[2][3][Cfg::kDt];
   alignas(16) typename Cfg::Ring::SharedStorage ring;
   alignas(16) typename Cfg::XPipe::SharedStorage xpipe;
   alignas(8) cutlass::arch::ClusterBarrier rounded[Cfg::kRoundWarps ? Cfg::kStages : 1];  // stage rounded

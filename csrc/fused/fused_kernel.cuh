@@ -51,6 +51,7 @@
 
 #include "../common/cuda_check.h"
 #include "../common/device_math.cuh"
+#include "../conv/conv_math.cuh"
 #include "fused_api.h"
 #include "fused_config.h"
 #include "fused_params.h"
@@ -140,6 +141,88 @@ __device__ __forceinline__ void prefetch_gate_rows(const FusedParams& p, int64_t
   }
 }
 
+// The block's conv inside the kernel (p.conv_weight set; FusedParams): the x tile holds xi, the conv's
+// input, and the scan threads turn it into u = silu(conv(xi)) in place before the tile's scan, with
+// the conv kernel's arithmetic (csrc/conv/conv_math.cuh: u is bitwise the unfused path's). Thread
+// (lane, warp): channels 2 lane and 2 lane + 1 of the tile, tokens [w kR, (w + 1) kR); the W - 1 inputs
+// before a warp's tokens are the tile's own rows, or, for warp 0, the previous tile's last rows
+// (ss.conv_halo[parity], written by the last warp), xi in device memory (a stream starting inside a
+// sequence: an L segment) or conv_state / zeros (before token 0). Two barriers among the scan threads:
+// every read of the tile before any write of u, and every u written before the scan reads it. The
+// exponentials: one per token and channel, against the scan's N (docs/perf/block.md).
+template <class Cfg, int kW>
+__device__ __forceinline__ void conv_in_tile_w(const FusedParams& p, SharedStorage<Cfg>& ss,
+                                               typename Cfg::TmaElement* tile_x, int64_t b, int64_t j, int64_t t0,
+                                               bool first, int parity, int tid) {
+  using TE = typename Cfg::TmaElement;
+  constexpr int kDt = Cfg::kDt, kWarps = Cfg::kScanThreads / 32, kR = Cfg::kT / kWarps;
+  static_assert(kDt == 64 && kR * kWarps == Cfg::kT && kR >= kW - 1, "a lane per channel pair, whole token runs");
+  const int lane = tid % 32, w = tid / 32, c = 2 * lane, r0 = w * kR;
+  const int64_t d = j * kDt + c;
+  float wt[kW][2], bs[2], win[kW - 1][2];
+  CUTE_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    CUTE_UNROLL
+    for (int k = 0; k < kW; ++k) wt[k][v] = p.conv_weight[(d + v) * kW + k];
+    bs[v] = p.conv_bias != nullptr ? p.conv_bias[d + v] : 0.f;
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < kW - 1; ++i) {
+    const int r = r0 - (kW - 1) + i;  // row of the tile (negative: before it)
+    if (r >= 0) {
+      load_vals<2>(tile_x + r * kDt + c, win[i]);
+    } else if (!first) {
+      win[i][0] = ss.conv_halo[parity][r + kW - 1][c];
+      win[i][1] = ss.conv_halo[parity][r + kW - 1][c + 1];
+    } else {
+      const int64_t t = t0 + r;  // token of the sequence
+      if (t >= 0) {
+        load_vals<2>(static_cast<const TE*>(p.x) + b * p.xb_stride() + t * p.xt_stride() + d, win[i]);
+      } else {
+        CUTE_UNROLL
+        for (int v = 0; v < 2; ++v)
+          win[i][v] = p.conv_state != nullptr ? p.conv_state[(b * p.dim + d + v) * (kW - 1) + (kW - 1) + t] : 0.f;
+      }
+    }
+  }
+  float u[kR][2];
+  CUTE_UNROLL
+  for (int i = 0; i < kR; ++i) {
+    float xt[2], pre[2];
+    load_vals<2>(tile_x + (r0 + i) * kDt + c, xt);
+    conv_pre<kW, 2>(wt, bs, win, xt, pre);
+    u[i][0] = silu_f(pre[0]);
+    u[i][1] = silu_f(pre[1]);
+    CUTE_UNROLL
+    for (int k = 0; k < kW - 2; ++k) { win[k][0] = win[k + 1][0]; win[k][1] = win[k + 1][1]; }
+    win[kW - 2][0] = xt[0]; win[kW - 2][1] = xt[1];
+  }
+  if (w == kWarps - 1) {  // the tile's last W - 1 inputs, for the next tile's warp 0
+    CUTE_UNROLL
+    for (int k = 0; k < kW - 1; ++k) {
+      ss.conv_halo[parity ^ 1][k][c] = win[k][0];
+      ss.conv_halo[parity ^ 1][k][c + 1] = win[k][1];
+    }
+  }
+  named_sync(kBarConvIn, Cfg::kScanThreads);  // every read of xi done
+  CUTE_UNROLL
+  for (int i = 0; i < kR; ++i) store_vals<2>(tile_x + (r0 + i) * kDt + c, u[i]);
+  // Generic-proxy writes to a stage the TMA unit (async proxy) will refill once the scan releases it.
+  cutlass::arch::fence_view_async_shared();
+  named_sync(kBarConvIn, Cfg::kScanThreads);  // u visible to every scan thread
+}
+
+template <class Cfg>
+__device__ __forceinline__ void conv_in_tile(const FusedParams& p, SharedStorage<Cfg>& ss,
+                                             typename Cfg::TmaElement* tile_x, int64_t b, int64_t j, int64_t t0,
+                                             bool first, int parity, int tid) {
+  switch (p.conv_width) {
+    case 2: conv_in_tile_w<Cfg, 2>(p, ss, tile_x, b, j, t0, first, parity, tid); break;
+    case 3: conv_in_tile_w<Cfg, 3>(p, ss, tile_x, b, j, t0, first, parity, tid); break;
+    default: conv_in_tile_w<Cfg, 4>(p, ss, tile_x, b, j, t0, first, parity, tid); break;
+  }
+}
+
 // Thread (channel pair/channel c, state group g): kNS = N/4 states of each of kCh adjacent channels,
 // which share the thread's loads of B and C. Per 4 tokens: loads, 4*kCh*kNS independent exp2, the
 // chains through h, then per channel the 4 partial sums of y reduce-scattered over the 4 threads of
@@ -203,6 +286,11 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const int ps = st.hand.stage;
       handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);
       xpipe.consumer_wait(st.xt);
+      if constexpr (Cfg::kDt == 64) {  // the block's conv (a uniform branch; the layer's loop is unchanged)
+        if (p.conv_weight != nullptr)
+          conv_in_tile<Cfg>(p, ss, reinterpret_cast<TE*>(ss.xt.begin()) + st.xt.index() * (kT * Cfg::kDt), s.b, s.j,
+                            t0, tile == 0, int(tile & 1), tid);
+      }
       const TE* xp = xt_base + st.xt.index() * (kT * Cfg::kDt) + c;
       // Narrow layout: (dt, dt * x) pairs; B and C by token pairs (Config::kLdBP).
       const float* dtp = Cfg::kNarrow ? &ss.dt[ps][0][2 * c] : &ss.dt[ps][0][c];
@@ -519,7 +607,7 @@ Args fused_args(const FusedParams& p, int device) {
     bool w_valid = false, x_valid = false;
     int device = -1;
     const void *wd = nullptr, *wb = nullptr, *wc = nullptr, *x = nullptr, *xk = nullptr;
-    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1, kdim = -1;
+    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1, kdim = -1, xts = -1, xbs = -1;
     alignas(64) unsigned char args[sizeof(Args)];
   };
   thread_local Cache c;
@@ -531,7 +619,7 @@ Args fused_args(const FusedParams& p, int device) {
   const bool same_w = c.w_valid && c.device == device && c.wd == p.W_delta && c.wb == p.W_B && c.wc == p.W_C &&
                       c.dim == p.dim && c.dstate == p.dstate && c.kdim == p.kdim();
   const bool same_x = same_w && c.x_valid && c.x == p.x && c.xk == p.operand() && c.seqlen == p.seqlen &&
-                      c.batch == p.batch;
+                      c.batch == p.batch && c.xts == p.xt_stride() && c.xbs == p.xb_stride();
   Args* cached = std::launder(reinterpret_cast<Args*>(c.args));
   if (!same_w) {
     const Args fresh = make_tmas<Cfg>(p);
@@ -551,6 +639,7 @@ Args fused_args(const FusedParams& p, int device) {
   c.device = device;
   c.wd = p.W_delta; c.wb = p.W_B; c.wc = p.W_C; c.x = p.x; c.xk = p.operand();
   c.dim = p.dim; c.dstate = p.dstate; c.seqlen = p.seqlen; c.batch = p.batch; c.kdim = p.kdim();
+  c.xts = p.xt_stride(); c.xbs = p.xb_stride();
   return *cached;
 }
 

@@ -279,80 +279,121 @@ std::vector<int64_t> fused_bwd_plan_op(const at::Tensor& x, int64_t dstate, int6
 // ---- The Mamba block's fused forward: the layer's kernel with the product's operand [dt_low | B | C]
 // (x_proj's output) and the gated output (FusedParams, "The Mamba block").
 
-// (y, final_state, ckpt, y_ungated), as selscan_fused::gated_scan_fwd returns them: y = (C h + D u) *
-// silu(z), delta = softplus(dt_low dt_proj_weight^T + dt_bias) made on the tensor cores in the kernel;
+// (y, final_state, ckpt, y_ungated, xdbl). From xz, in_proj's output (batch, L, 2 d_inner) = [xi | z]:
+//   u     = silu(conv(xi)) with conv_weight (d_inner, W), conv_bias, conv_state (batch, d_inner, W - 1)
+//           (float32; zeros without one): made in shared memory by both kernels, never in device memory;
+//   xdbl  = [dt_low | B | C] = u x_proj_weight^T (batch, L, R + 2N) by the first kernel (block_xproj.cu),
+//           or given (xdbl_in, then x_proj_weight is null: the paper tasks' time-invariant ablation);
+//   y     = (C h + D u) * silu(z), delta = softplus(dt_low dt_proj_weight^T + dt_bias) made on the tensor
+//           cores in the fused kernel.
 // training: the checkpoints (batch, ckpt_count(L), D, N) and y before the gate (for the backward), else
-// (0, ckpt_count(L), D, N) and (0, L, D).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
-    const at::Tensor& u_in, const at::Tensor& xdbl, const at::Tensor& z_in, const at::Tensor& dt_proj_weight,
-    const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
-    bool return_final_state, bool training, int64_t l_segments) {
-  TORCH_CHECK(u_in.is_cuda(), "selscan_fused: fused_block_fwd: u is on ", u_in.device(),
+// (0, ckpt_count(L), D, N) and (0, L, D). xdbl is returned when made here (the backward reads it), else (0,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
+    const at::Tensor& xz_in, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias,
+    const c10::optional<at::Tensor>& conv_state, const c10::optional<at::Tensor>& x_proj_weight,
+    const c10::optional<at::Tensor>& xdbl_in, const at::Tensor& dt_proj_weight, const at::Tensor& A_log,
+    const at::Tensor& dt_bias, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
+    bool training, int64_t l_segments) {
+  TORCH_CHECK(xz_in.is_cuda(), "selscan_fused: fused_block_fwd: xz is on ", xz_in.device(),
               "; impl='fused' needs CUDA tensors (impl='reference' runs on the CPU)");
-  TORCH_CHECK(u_in.dim() == 3, "selscan_fused: fused_block_fwd: u (the conv's output) must have shape (batch, L, "
-              "d_inner), got ", u_in.sizes());
-  to_dtype(u_in.scalar_type(), "u (fused_block_fwd)");
+  TORCH_CHECK(xz_in.dim() == 3, "selscan_fused: fused_block_fwd: xz (in_proj's output) must have shape (batch, L, "
+              "2 d_inner), got ", xz_in.sizes());
+  to_dtype(xz_in.scalar_type(), "xz (fused_block_fwd)");
   TORCH_CHECK(A_log.dim() == 2, "selscan_fused: fused_block_fwd: A_log must have shape (d_inner, d_state), got ",
               A_log.sizes());
   TORCH_CHECK(dt_proj_weight.dim() == 2, "selscan_fused: fused_block_fwd: dt_proj_weight must have shape (d_inner, "
               "dt_rank), got ", dt_proj_weight.sizes());
-  const int64_t batch = u_in.size(0), L = u_in.size(1), Dm = u_in.size(2), N = A_log.size(1),
-                R = dt_proj_weight.size(1), K = R + 2 * N;
-  const char* sizes = " (batch, L, d_inner from u; d_state from A_log; dt_rank from dt_proj_weight)";
-  const auto dt = u_in.scalar_type();
-  check_tensor(A_log, "A_log (fused_block_fwd)", u_in, {Dm, N}, at::kFloat, sizes);
-  check_tensor(dt_bias, "dt_bias (fused_block_fwd)", u_in, {Dm}, at::kFloat, sizes);
-  check_tensor(D, "D (fused_block_fwd)", u_in, {Dm}, at::kFloat, sizes);
-  check_tensor(dt_proj_weight, "dt_proj_weight (fused_block_fwd)", u_in, {Dm, R}, dt, sizes);
-  check_tensor(xdbl, "xdbl (fused_block_fwd: x_proj's output [dt_low | B | C])", u_in, {batch, L, K}, dt, sizes);
-  check_tensor(z_in, "z (fused_block_fwd)", u_in, {batch, L, Dm}, dt, sizes);
-  if (h0) check_tensor(*h0, "h0 (fused_block_fwd)", u_in, {batch, Dm, N}, at::kFloat, sizes);
-  check_fused_envelope(u_in, Dm, N, "d_inner");
+  TORCH_CHECK(conv_weight.dim() == 2, "selscan_fused: fused_block_fwd: conv_weight must have shape (d_inner, d_conv), "
+              "got ", conv_weight.sizes());
+  TORCH_CHECK(x_proj_weight.has_value() != xdbl_in.has_value(), "selscan_fused: fused_block_fwd takes exactly one "
+              "of x_proj_weight (xdbl made by the kernel) and xdbl (given)");
+  const int64_t batch = xz_in.size(0), L = xz_in.size(1), Dm = A_log.size(0), N = A_log.size(1),
+                R = dt_proj_weight.size(1), K = R + 2 * N, W = conv_weight.size(1);
+  const char* sizes = " (batch and L from xz; d_inner and d_state from A_log; dt_rank from dt_proj_weight; d_conv "
+                      "from conv_weight)";
+  const auto dt = xz_in.scalar_type();
+  check_tensor(xz_in, "xz (fused_block_fwd: in_proj's output [x | z])", xz_in, {batch, L, 2 * Dm}, dt, sizes);
+  check_tensor(A_log, "A_log (fused_block_fwd)", xz_in, {Dm, N}, at::kFloat, sizes);
+  check_tensor(dt_bias, "dt_bias (fused_block_fwd)", xz_in, {Dm}, at::kFloat, sizes);
+  check_tensor(D, "D (fused_block_fwd)", xz_in, {Dm}, at::kFloat, sizes);
+  check_tensor(dt_proj_weight, "dt_proj_weight (fused_block_fwd)", xz_in, {Dm, R}, dt, sizes);
+  check_tensor(conv_weight, "conv_weight (fused_block_fwd)", xz_in, {Dm, W}, at::kFloat, sizes);
+  if (conv_bias) check_tensor(*conv_bias, "conv_bias (fused_block_fwd)", xz_in, {Dm}, at::kFloat, sizes);
+  if (conv_state) check_tensor(*conv_state, "conv_state (fused_block_fwd)", xz_in, {batch, Dm, W - 1}, at::kFloat, sizes);
+  if (x_proj_weight) check_tensor(*x_proj_weight, "x_proj_weight (fused_block_fwd)", xz_in, {K, Dm}, dt, sizes);
+  if (xdbl_in) check_tensor(*xdbl_in, "xdbl (fused_block_fwd: x_proj's output [dt_low | B | C])", xz_in,
+                            {batch, L, K}, dt, sizes);
+  if (h0) check_tensor(*h0, "h0 (fused_block_fwd)", xz_in, {batch, Dm, N}, at::kFloat, sizes);
+  check_fused_envelope(xz_in, Dm, N, "d_inner");
+  TORCH_CHECK(W >= 2 && W <= 4, "selscan_fused: d_conv = ", W, " is not supported by impl='fused' (2 to 4); "
+              "use impl='reference'");
+  TORCH_CHECK(!x_proj_weight || K <= kBlockXprojMaxOut, "selscan_fused: impl='fused' takes dt_rank + 2 d_state up to ",
+              kBlockXprojMaxOut, " (got ", R, " + 2 * ", N, " = ", K, "); use impl='unfused'");
   TORCH_CHECK(L <= INT32_MAX && batch <= INT32_MAX && K <= INT32_MAX, "selscan_fused: impl='fused' takes batch and "
               "L below 2^31 (got batch = ", batch, ", L = ", L, "); use impl='unfused'");
-  const c10::cuda::CUDAGuard guard(u_in.device());
-  const auto f32 = u_in.options().dtype(at::kFloat);
+  const c10::cuda::CUDAGuard guard(xz_in.device());
+  const auto f32 = xz_in.options().dtype(at::kFloat);
   at::Tensor ckpt = at::empty({training ? batch : 0, ckpt_count(L), Dm, N}, f32);
-  at::Tensor yu = at::empty({training ? batch : 0, L, Dm}, u_in.options());
-  at::Tensor y = at::empty({batch, L, Dm}, u_in.options());
+  at::Tensor yu = at::empty({training ? batch : 0, L, Dm}, xz_in.options());
+  at::Tensor y = at::empty({batch, L, Dm}, xz_in.options());
   at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{batch, Dm, N} : at::IntArrayRef{0}, f32);
+  at::Tensor xdbl = at::empty(x_proj_weight ? at::IntArrayRef{batch, L, K} : at::IntArrayRef{0}, xz_in.options());
   if (batch == 0 || L == 0) {
     if (return_final_state) {
       if (h0) hT.copy_(*h0); else hT.zero_();
     }
-    return {y, hT, ckpt, yu};
+    return {y, hT, ckpt, yu, xdbl};
   }
+  // xi and z are read in place from xz (channel stride 1, tokens 2 d_inner apart): a contiguous copy
+  // otherwise.
+  const at::Tensor xz = aligned_contiguous(xz_in);
+  const at::Tensor cw = conv_weight.contiguous();
+  at::Tensor cb, cs;
+  if (conv_bias) cb = conv_bias->contiguous();
+  if (conv_state) cs = conv_state->contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (g_poison_outputs.load(std::memory_order_relaxed) && xdbl.numel() > 0) xdbl.fill_(NAN);
+  if (x_proj_weight) {
+    const at::Tensor wx = aligned_contiguous(*x_proj_weight);
+    BlockXprojParams q;
+    q.batch = batch; q.seqlen = L; q.dim = Dm; q.out_dim = K; q.width = int(W);
+    q.dtype = to_dtype(dt, "xz");
+    q.x = xz.data_ptr(); q.x_token_stride = 2 * Dm; q.x_batch_stride = L * 2 * Dm;
+    q.conv_weight = cw.data_ptr<float>(); q.conv_bias = conv_bias ? cb.data_ptr<float>() : nullptr;
+    q.conv_state = conv_state ? cs.data_ptr<float>() : nullptr;
+    q.weight = wx.data_ptr(); q.out = xdbl.data_ptr();
+    SELSCAN_CUDA_OK(block_xproj_launch(q, stream), "the fused block's x_proj kernel launch");
+  }
+  const at::Tensor& xd = x_proj_weight ? xdbl : *xdbl_in;
   // The product's K, padded to whole 16-byte rows (TMA); the padding columns are zeros on both sides.
   const int64_t elem = dt == at::kFloat ? 4 : 2, kq = 16 / elem, Kp = (K + kq - 1) / kq * kq;
-  at::Tensor xk = (Kp == K) ? aligned_contiguous(xdbl) : at::constant_pad_nd(xdbl, {0, Kp - K}, 0).contiguous();
-  at::Tensor Wd = at::zeros({Dm, Kp}, u_in.options()), Wb = at::zeros({N, Kp}, u_in.options()),
-             Wc = at::zeros({N, Kp}, u_in.options());
+  at::Tensor xk = (Kp == K) ? aligned_contiguous(xd) : at::constant_pad_nd(xd, {0, Kp - K}, 0).contiguous();
+  at::Tensor Wd = at::zeros({Dm, Kp}, xz.options()), Wb = at::zeros({N, Kp}, xz.options()),
+             Wc = at::zeros({N, Kp}, xz.options());
   Wd.narrow(1, 0, R).copy_(dt_proj_weight);
-  const at::Tensor eye = at::eye(N, u_in.options());
+  const at::Tensor eye = at::eye(N, xz.options());
   Wb.narrow(1, R, N).copy_(eye);
   Wc.narrow(1, R + N, N).copy_(eye);
-  const at::Tensor u = aligned_contiguous(u_in);
-  // z's rows: unit channel stride and one token stride for every row (the right half of in_proj's
-  // contiguous output qualifies), else a contiguous copy.
-  const bool z_rows = z_in.stride(2) == 1 && z_in.stride(1) >= Dm && z_in.stride(0) == L * z_in.stride(1) &&
-                      z_in.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(z_in.data_ptr()) % (2 * elem) == 0;
-  const at::Tensor z = z_rows ? z_in : aligned_contiguous(z_in);
   const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
   at::Tensor h0_c;
   if (h0) h0_c = h0->contiguous();
 
-  FusedParams p = make_params(u, batch, L, Dm, N);
+  FusedParams p = make_params(xz, batch, L, Dm, N);
   // float32: 3xTF32 whatever the matmul precision (K = R + 2N is small, so it costs little), so that B
   // and C pass through the identity rows to float32 accuracy (one TF32 product would round them).
   p.fp32_3xtf32 = true;
-  p.x = u.data_ptr(); p.xk = xk.data_ptr(); p.k_dim = Kp;
+  p.x = xz.data_ptr(); p.x_token_stride = 2 * Dm; p.x_batch_stride = L * 2 * Dm;
+  p.conv_weight = cw.data_ptr<float>(); p.conv_bias = conv_bias ? cb.data_ptr<float>() : nullptr;
+  p.conv_state = conv_state ? cs.data_ptr<float>() : nullptr; p.conv_width = int(W);
+  p.xk = xk.data_ptr(); p.k_dim = Kp;
   p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
-  p.z = z.data_ptr(); p.z_stride = z.stride(1);
+  p.z = static_cast<const char*>(xz.data_ptr()) + Dm * elem; p.z_stride = 2 * Dm;
   p.y_ungated = training ? yu.data_ptr() : nullptr;
   FusedLaunchInfo plan;
-  SELSCAN_CUDA_OK(fused_plan(p, l_segments, 0, u.get_device(), &plan), "planning the fused kernel");
+  // The channel tile of 64: the in-kernel conv's layout (the narrow layout's epilogue reads the x tile).
+  SELSCAN_CUDA_OK(fused_plan(p, l_segments, 64, xz.get_device(), &plan), "planning the fused kernel");
   p.n_segments = plan.n_segments; p.seg_len = plan.seg_len; p.channel_tile = int(plan.channel_tile);
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws;
@@ -367,8 +408,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
   p.y = y.data_ptr();
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
-  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch (block)");
-  return {y, hT, ckpt, yu};
+  SELSCAN_CUDA_OK(fused_launch(p, stream), "the fused kernel launch (block)");
+  return {y, hT, ckpt, yu, xdbl};
 }
 
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
@@ -391,10 +432,12 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "Tensor? h0, Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments, int mode=0, int threads_per_channel=0) "
         "-> Tensor[]");
   m.def("fused_bwd_plan(Tensor x, int dstate, int l_segments, int mode=0, int threads_per_channel=0) -> int[]");
-  // The Mamba block's fused forward (the same kernel): (y, final_state, ckpt, y_ungated) as gated_scan_fwd.
-  m.def("fused_block_fwd(Tensor u, Tensor xdbl, Tensor z, Tensor dt_proj_weight, Tensor A_log, Tensor dt_bias, "
-        "Tensor D, Tensor? h0, bool return_final_state, bool training, int l_segments) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // The Mamba block's fused forward (block_xproj.cu's kernel, then the same fused kernel with the conv
+  // inside): (y, final_state, ckpt, y_ungated, xdbl).
+  m.def("fused_block_fwd(Tensor xz, Tensor conv_weight, Tensor? conv_bias, Tensor? conv_state, "
+        "Tensor? x_proj_weight, Tensor? xdbl, Tensor dt_proj_weight, Tensor A_log, Tensor dt_bias, Tensor D, "
+        "Tensor? h0, bool return_final_state, bool training, int l_segments) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
   // Test and benchmark hook: off, every call encodes all its TMA descriptors (fused_api.h).
   m.def("fused_set_descriptor_cache(bool enable) -> ()", &selscan::fused_set_descriptor_cache_op);

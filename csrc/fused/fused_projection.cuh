@@ -28,6 +28,7 @@ using namespace cute;
 constexpr int kBarFull = 1;     // + stage (2 stages max)
 constexpr int kBarEmpty = 3;    // + stage
 constexpr int kBarMmaRound = 5; // the tensor-core warpgroup's own x rounding (float32 "high")
+constexpr int kBarConvIn = 7;   // the scan threads alone: the block's conv inside the kernel (fused_kernel.cuh)
 
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -576,11 +577,11 @@ template <class Cfg>
 auto make_x_tmas(const FusedParams& p) {
   using TE = typename Cfg::TmaElement;
   const int L = int(p.seqlen), Dm = int(p.dim), Bt = int(p.batch), K = int(p.kdim());
-  const int64_t ld = p.dim, ldk = p.kdim();
+  const int64_t ld = p.xt_stride(), ldb = p.xb_stride(), ldk = p.kdim();
   auto gk = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.operand())),
                         make_layout(make_shape(L, K, Bt), make_stride(ldk, _1{}, int64_t(L) * ldk)));
   auto gx = make_tensor(make_gmem_ptr(static_cast<const TE*>(p.x)),
-                        make_layout(make_shape(L, Dm, Bt), make_stride(ld, _1{}, int64_t(L) * ld)));
+                        make_layout(make_shape(L, Dm, Bt), make_stride(ld, _1{}, ldb)));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Cfg::SmemLayoutXTma{}(_, _, 0));
   auto tma_xt = make_tma_copy(SM90_TMA_LOAD{}, gx, typename Cfg::SmemLayoutXt{}(_, _, 0));
   return cute::make_tuple(tma_x, tma_xt);
