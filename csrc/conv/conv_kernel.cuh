@@ -39,46 +39,6 @@ constexpr int kBwdVec = 4;     // channels per thread in the backward (aligned c
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-template <int kBytes> struct RawVec;
-template <> struct RawVec<2> { using type = unsigned short; };
-template <> struct RawVec<4> { using type = unsigned int; };
-template <> struct RawVec<8> { using type = uint2; };
-template <> struct RawVec<16> { using type = uint4; };
-
-// kV consecutive elements at ptr (aligned to kV * sizeof(T)) as float.
-template <class T, int kV>
-__device__ __forceinline__ void load_vec(const T* ptr, float (&out)[kV]) {
-  using R = typename RawVec<int(sizeof(T)) * kV>::type;
-  const R raw = *reinterpret_cast<const R*>(ptr);
-  T vals[kV];
-  memcpy(vals, &raw, sizeof(raw));
-#pragma unroll
-  for (int v = 0; v < kV; ++v) out[v] = to_float<T>(vals[v]);
-}
-
-template <class T, int kV>
-__device__ __forceinline__ void store_vec(T* ptr, const float (&in)[kV]) {
-  using R = typename RawVec<int(sizeof(T)) * kV>::type;
-  T vals[kV];
-#pragma unroll
-  for (int v = 0; v < kV; ++v) vals[v] = from_float<T>(in[v]);
-  R raw;
-  memcpy(&raw, vals, sizeof(raw));
-  *reinterpret_cast<R*>(ptr) = raw;
-}
-
-// The per-thread constants: weight[c0 + v, k] (the kV rows are kV * kW consecutive floats) and bias.
-template <int kW, int kV>
-__device__ __forceinline__ void load_weights(const float* __restrict__ weight, const float* __restrict__ bias,
-                                             int64_t c0, float (&w)[kW][kV], float (&bs)[kV]) {
-#pragma unroll
-  for (int v = 0; v < kV; ++v) {
-#pragma unroll
-    for (int k = 0; k < kW; ++k) w[k][v] = weight[(c0 + v) * kW + k];
-    bs[v] = bias != nullptr ? bias[c0 + v] : 0.f;
-  }
-}
-
 // The halo of a run starting at t0: win[j] = xx[t0 - (kW-1) + j]. x points at the sequence's channel
 // c0; init at initial_state[b, c0, 0] (or null for zeros).
 template <class T, int kW, int kV>
@@ -94,17 +54,6 @@ __device__ __forceinline__ void load_halo(const T* x, int64_t token_stride, cons
       for (int v = 0; v < kV; ++v) win[j][v] = init != nullptr ? init[v * (kW - 1) + (kW - 1) + s] : 0.f;
     }
   }
-}
-
-template <int kN, int kV>
-__device__ __forceinline__ void shift_in(float (&win)[kN][kV], const float (&in)[kV]) {
-#pragma unroll
-  for (int j = 0; j + 1 < kN; ++j) {
-#pragma unroll
-    for (int v = 0; v < kV; ++v) win[j][v] = win[j + 1][v];
-  }
-#pragma unroll
-  for (int v = 0; v < kV; ++v) win[kN - 1][v] = in[v];
 }
 
 // This thread's run: sequence b, its first token t0 (in the sequence), the sequence's length L and first

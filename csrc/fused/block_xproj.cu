@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../common/cp_async.cuh"
@@ -32,27 +33,17 @@ constexpr int kChunk = 64;   // channels per chunk
 constexpr int kThreads = 256;
 constexpr int kRun = kTok / (kThreads / 32);  // tokens per thread in the conv: 8
 
-template <class T> __device__ __forceinline__ float2 to_float2(const T* p);
-template <> __device__ __forceinline__ float2 to_float2<float>(const float* p) { return *reinterpret_cast<const float2*>(p); }
-template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-template <> __device__ __forceinline__ float2 to_float2<__half>(const __half* p) {
-  return __half22float2(*reinterpret_cast<const __half2*>(p));
-}
-
 // The raw inputs of one thread's conv run: rows t0 + r0 - (kW-1) .. t0 + r0 + kRun - 1 of channels
 // c, c + 1 (xi, conv_state before token 0, zeros past L), as float.
 template <class T, int kW>
 __device__ __forceinline__ void load_run(const BlockXprojParams& p, int64_t b, int64_t t_first, int64_t c,
                                          float (&v)[kW - 1 + kRun][2]) {
-  const T* x = static_cast<const T*>(p.x) + b * p.x_batch_stride + c;
+  const T* x = static_cast<const T*>(p.x) + b * p.seqlen * p.x_token_stride + c;
 #pragma unroll
   for (int i = 0; i < kW - 1 + kRun; ++i) {
     const int64_t t = t_first - (kW - 1) + i;
     if (t >= 0 && t < p.seqlen) {
-      const float2 f = to_float2<T>(x + t * p.x_token_stride);
-      v[i][0] = f.x; v[i][1] = f.y;
+      load_vec<T, 2>(x + t * p.x_token_stride, v[i]);
     } else if (t < 0 && p.conv_state != nullptr) {
       v[i][0] = p.conv_state[(b * p.dim + c) * (kW - 1) + (kW - 1) + t];
       v[i][1] = p.conv_state[(b * p.dim + c + 1) * (kW - 1) + (kW - 1) + t];
@@ -67,12 +58,7 @@ template <int kW>
 __device__ __forceinline__ void conv_run(const BlockXprojParams& p, int64_t c, const float (&v)[kW - 1 + kRun][2],
                                          float (&u)[kRun][2]) {
   float w[kW][2], bs[2], win[kW - 1][2];
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-#pragma unroll
-    for (int k = 0; k < kW; ++k) w[k][q] = p.conv_weight[(c + q) * kW + k];
-    bs[q] = p.conv_bias != nullptr ? p.conv_bias[c + q] : 0.f;
-  }
+  load_weights<kW, 2>(p.conv_weight, p.conv_bias, c, w, bs);
 #pragma unroll
   for (int k = 0; k < kW - 1; ++k) { win[k][0] = v[k][0]; win[k][1] = v[k][1]; }
 #pragma unroll
@@ -81,22 +67,9 @@ __device__ __forceinline__ void conv_run(const BlockXprojParams& p, int64_t c, c
     conv_pre<kW, 2>(w, bs, win, v[kW - 1 + i], pre);
     u[i][0] = silu_f(pre[0]);
     u[i][1] = silu_f(pre[1]);
-#pragma unroll
-    for (int k = 0; k < kW - 2; ++k) { win[k][0] = win[k + 1][0]; win[k][1] = win[k + 1][1]; }
-    win[kW - 2][0] = v[kW - 1 + i][0]; win[kW - 2][1] = v[kW - 1 + i][1];
+    shift_in<kW - 1, 2>(win, v[kW - 1 + i]);
   }
 }
-
-template <class T> __device__ __forceinline__ void store2(T* p, float a, float b);
-template <> __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-template <> __device__ __forceinline__ void store2<__half>(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-template <class T> __device__ __forceinline__ T from_f(float a);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float a) { return __float2bfloat16_rn(a); }
-template <> __device__ __forceinline__ __half from_f<__half>(float a) { return __float2half_rn(a); }
 
 // ---- 16-bit: tensor cores.
 constexpr int kLdA = kChunk + 8;  // padded rows (16-byte multiples; WMMA's ldm a multiple of 8)
@@ -117,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, kF <= 6 ? 2 : 1) xproj_mma_kernel(co
   // Weight rows past out_dim: zeros, in both buffers, once.
   for (int i = tid; i < 2 * (out_pad - O) * kLdA; i += kThreads) {
     const int buf = i / ((out_pad - O) * kLdA), rest = i % ((out_pad - O) * kLdA);
-    Ws[buf * out_pad * kLdA + O * kLdA + rest] = from_f<T>(0.f);
+    Ws[buf * out_pad * kLdA + O * kLdA + rest] = from_float<T>(0.f);
   }
   auto load_w = [&](int chunk, int buf) {  // rows < O, 8 16-byte pieces each
     for (int i = tid; i < O * 8; i += kThreads) {
@@ -131,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, kF <= 6 ? 2 : 1) xproj_mma_kernel(co
     float u[kRun][2];
     conv_run<kW>(p, int64_t(chunk) * kChunk + 2 * lane, v, u);
 #pragma unroll
-    for (int i = 0; i < kRun; ++i) store2<T>(As + (buf * kTok + r0 + i) * kLdA + 2 * lane, u[i][0], u[i][1]);
+    for (int i = 0; i < kRun; ++i) store_vec<T, 2>(As + (buf * kTok + r0 + i) * kLdA + 2 * lane, u[i]);
   };
 
   const int mb = warp % 4, ncol = warp / 4, nf = out_pad / 16;
@@ -183,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, kF <= 6 ? 2 : 1) xproj_mma_kernel(co
   __syncthreads();
   T* out = static_cast<T*>(p.out) + (b * p.seqlen + t0) * int64_t(O);
   const int rows = int(p.seqlen - t0 < kTok ? p.seqlen - t0 : kTok);
-  for (int i = tid; i < rows * O; i += kThreads) out[i] = from_f<T>(Cs[(i / O) * ldc + i % O]);
+  for (int i = tid; i < rows * O; i += kThreads) out[i] = from_float<T>(Cs[(i / O) * ldc + i % O]);
 }
 
 // ---- float32: FMA.
@@ -235,9 +208,17 @@ __global__ void __launch_bounds__(kThreads) xproj_f32_kernel(const BlockXprojPar
 
 template <class T, int kW, int kF>
 cudaError_t launch_mma_f(const BlockXprojParams& p, int64_t grid, int out_pad, cudaStream_t stream) {
+  // The shared-memory cap, once per device: the instantiation's largest out_pad (32 kF).
+  constexpr int kMaxSmem = (2 * kTok * kLdA + 2 * 32 * kF * kLdA) * int(sizeof(T));
+  static std::atomic<bool> prepared[64] = {};
+  int device = 0;
+  SELSCAN_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device < 0 || device >= 64 || !prepared[device].load(std::memory_order_acquire)) {
+    SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(xproj_mma_kernel<T, kW, kF>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+    if (device >= 0 && device < 64) prepared[device].store(true, std::memory_order_release);
+  }
   const size_t smem = size_t(2 * kTok * kLdA + 2 * out_pad * kLdA) * sizeof(T);
-  SELSCAN_RETURN_IF_ERROR(cudaFuncSetAttribute(xproj_mma_kernel<T, kW, kF>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   xproj_mma_kernel<T, kW, kF><<<dim3(unsigned(grid)), kThreads, smem, stream>>>(p, out_pad);
   return cudaGetLastError();
 }

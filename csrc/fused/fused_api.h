@@ -124,8 +124,8 @@ struct BlockXprojParams {
   int64_t out_dim = 0;                   // R + 2N, at most kBlockXprojMaxOut
   int width = 4;                         // d_conv, 2 .. 4
   DType dtype = DType::kBFloat16;
-  const void* x = nullptr;               // xi: (batch, L, dim), channel stride 1, dtype
-  int64_t x_token_stride = 0, x_batch_stride = 0;
+  const void* x = nullptr;               // xi: (batch, L, dim), channel stride 1, dtype, sequences L rows apart
+  int64_t x_token_stride = 0;            // elements between tokens of x
   const float* conv_weight = nullptr;    // (dim, width)
   const float* conv_bias = nullptr;      // (dim,) or null
   const float* conv_state = nullptr;     // (batch, dim, width - 1) or null (zeros)

@@ -160,12 +160,7 @@ __device__ __forceinline__ void conv_in_tile_w(const FusedParams& p, SharedStora
   const int lane = tid % 32, w = tid / 32, c = 2 * lane, r0 = w * kR;
   const int64_t d = j * kDt + c;
   float wt[kW][2], bs[2], win[kW - 1][2];
-  CUTE_UNROLL
-  for (int v = 0; v < 2; ++v) {
-    CUTE_UNROLL
-    for (int k = 0; k < kW; ++k) wt[k][v] = p.conv_weight[(d + v) * kW + k];
-    bs[v] = p.conv_bias != nullptr ? p.conv_bias[d + v] : 0.f;
-  }
+  load_weights<kW, 2>(p.conv_weight, p.conv_bias, d, wt, bs);
   CUTE_UNROLL
   for (int i = 0; i < kW - 1; ++i) {
     const int r = r0 - (kW - 1) + i;  // row of the tile (negative: before it)
@@ -193,9 +188,7 @@ __device__ __forceinline__ void conv_in_tile_w(const FusedParams& p, SharedStora
     conv_pre<kW, 2>(wt, bs, win, xt, pre);
     u[i][0] = silu_f(pre[0]);
     u[i][1] = silu_f(pre[1]);
-    CUTE_UNROLL
-    for (int k = 0; k < kW - 2; ++k) { win[k][0] = win[k + 1][0]; win[k][1] = win[k + 1][1]; }
-    win[kW - 2][0] = xt[0]; win[kW - 2][1] = xt[1];
+    shift_in<kW - 1, 2>(win, xt);
   }
   if (w == kWarps - 1) {  // the tile's last W - 1 inputs, for the next tile's warp 0
     CUTE_UNROLL
@@ -607,7 +600,7 @@ Args fused_args(const FusedParams& p, int device) {
     bool w_valid = false, x_valid = false;
     int device = -1;
     const void *wd = nullptr, *wb = nullptr, *wc = nullptr, *x = nullptr, *xk = nullptr;
-    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1, kdim = -1, xts = -1, xbs = -1;
+    int64_t dim = -1, dstate = -1, seqlen = -1, batch = -1, kdim = -1, xts = -1;
     alignas(64) unsigned char args[sizeof(Args)];
   };
   thread_local Cache c;
@@ -619,7 +612,7 @@ Args fused_args(const FusedParams& p, int device) {
   const bool same_w = c.w_valid && c.device == device && c.wd == p.W_delta && c.wb == p.W_B && c.wc == p.W_C &&
                       c.dim == p.dim && c.dstate == p.dstate && c.kdim == p.kdim();
   const bool same_x = same_w && c.x_valid && c.x == p.x && c.xk == p.operand() && c.seqlen == p.seqlen &&
-                      c.batch == p.batch && c.xts == p.xt_stride() && c.xbs == p.xb_stride();
+                      c.batch == p.batch && c.xts == p.xt_stride();
   Args* cached = std::launder(reinterpret_cast<Args*>(c.args));
   if (!same_w) {
     const Args fresh = make_tmas<Cfg>(p);
@@ -639,7 +632,7 @@ Args fused_args(const FusedParams& p, int device) {
   c.device = device;
   c.wd = p.W_delta; c.wb = p.W_B; c.wc = p.W_C; c.x = p.x; c.xk = p.operand();
   c.dim = p.dim; c.dstate = p.dstate; c.seqlen = p.seqlen; c.batch = p.batch; c.kdim = p.kdim();
-  c.xts = p.xt_stride(); c.xbs = p.xb_stride();
+  c.xts = p.xt_stride();
   return *cached;
 }
 

@@ -358,7 +358,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
     BlockXprojParams q;
     q.batch = batch; q.seqlen = L; q.dim = Dm; q.out_dim = K; q.width = int(W);
     q.dtype = to_dtype(dt, "xz");
-    q.x = xz.data_ptr(); q.x_token_stride = 2 * Dm; q.x_batch_stride = L * 2 * Dm;
+    q.x = xz.data_ptr(); q.x_token_stride = 2 * Dm;
     q.conv_weight = cw.data_ptr<float>(); q.conv_bias = conv_bias ? cb.data_ptr<float>() : nullptr;
     q.conv_state = conv_state ? cs.data_ptr<float>() : nullptr;
     q.weight = wx.data_ptr(); q.out = xdbl.data_ptr();
@@ -382,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
   // float32: 3xTF32 whatever the matmul precision (K = R + 2N is small, so it costs little), so that B
   // and C pass through the identity rows to float32 accuracy (one TF32 product would round them).
   p.fp32_3xtf32 = true;
-  p.x = xz.data_ptr(); p.x_token_stride = 2 * Dm; p.x_batch_stride = L * 2 * Dm;
+  p.x = xz.data_ptr(); p.x_token_stride = 2 * Dm;
   p.conv_weight = cw.data_ptr<float>(); p.conv_bias = conv_bias ? cb.data_ptr<float>() : nullptr;
   p.conv_state = conv_state ? cs.data_ptr<float>() : nullptr; p.conv_width = int(W);
   p.xk = xk.data_ptr(); p.k_dim = Kp;

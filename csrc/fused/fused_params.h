@@ -47,7 +47,7 @@ struct FusedParams {
   //  - the gated output: y = (C h + D u) * silu(z), z (batch, L, D) with token stride z_stride (the right
   //    half of in_proj's output); y_ungated, when set, receives C h + D u (for the backward).
   //  - the conv inside the kernel (conv_weight set): x is then the conv's input xi (the left half of
-  //    in_proj's output, tokens x_token_stride apart, sequences x_batch_stride apart), and the scan
+  //    in_proj's output, tokens x_token_stride apart, sequences L x_token_stride apart), and the scan
   //    threads turn each x tile into u = silu(conv(xi)) in shared memory before its scan (the W - 1
   //    inputs before a tile: the previous tile's, conv_state's, or zeros), so that u never reaches
   //    device memory; the channel tile must be 64 (the narrow layout's epilogue reads the x tile).
@@ -57,7 +57,6 @@ struct FusedParams {
   int64_t z_stride = 0;
   void* y_ungated = nullptr;        // (batch, L, D), dtype, or null
   int64_t x_token_stride = 0;       // elements between tokens of x; 0: D (contiguous)
-  int64_t x_batch_stride = 0;       // elements between sequences of x; 0: L * x_token_stride
   const float* conv_weight = nullptr;  // (D, conv_width), or null: x is the scan's input (no conv)
   const float* conv_bias = nullptr;    // (D,) or null
   const float* conv_state = nullptr;   // (batch, D, conv_width - 1): the inputs before token 0, or null (zeros)
@@ -79,7 +78,7 @@ struct FusedParams {
   __host__ __device__ const void* operand() const { return xk != nullptr ? xk : x; }
   __host__ __device__ int64_t kdim() const { return k_dim > 0 ? k_dim : dim; }
   __host__ __device__ int64_t xt_stride() const { return x_token_stride > 0 ? x_token_stride : dim; }
-  __host__ __device__ int64_t xb_stride() const { return x_batch_stride > 0 ? x_batch_stride : seqlen * xt_stride(); }
+  __host__ __device__ int64_t xb_stride() const { return seqlen * xt_stride(); }  // sequences: L rows apart
 };
 
 }  // namespace selscan
