@@ -101,7 +101,7 @@ def extension_modules():
     ext_c = CUDAExtension(
         name="selscan_fused._C",
         sources=["csrc/python_module.cpp", "csrc/torch_ops.cpp", "csrc/conv/conv_ops.cpp",
-                 "csrc/decode/decode_ops.cpp", "csrc/scan/gate_ops.cpp"]
+                 "csrc/decode/decode_ops.cpp"]
         + sorted(str(p.relative_to(ROOT)) for d in ("scan", "conv", "decode")
                  for p in (ROOT / "csrc" / d).glob("*.cu")),
         include_dirs=include_dirs,

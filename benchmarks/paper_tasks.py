@@ -249,7 +249,7 @@ class TimeInvariantMamba(selscan_fused.Mamba):
                 csf = None if cs is None else cs.to(f32)
                 train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                         for t in (xdbl, dt_w, xz, cw, cb, csf, A_log, dt_bias, D, h0f))
-                y, h, _, _, _ = torch.ops.selscan_fused.fused_block_fwd(xz, cw, cb, csf, None, xdbl, dt_w, A_log,
+                y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(xz, cw, cb, csf, None, xdbl, dt_w, A_log,
                                                                         dt_bias, D, h0f, return_final_state, train, 0)
                 conv_T = conv_tail(xi, cs, W)
             else:
@@ -260,7 +260,7 @@ class TimeInvariantMamba(selscan_fused.Mamba):
                 bc = torch.cat([self.B_const, self.C_const]).to(xdt).expand(batch, L, 2 * N).contiguous()
                 train = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                         for t in (delta, bc, u, z, A_log, dt_bias, D, h0f))
-                y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(delta, bc, u, z, A_log, dt_bias, D, h0f,
+                y, h, _ = torch.ops.selscan_fused.gated_scan_fwd(delta, bc, u, z, A_log, dt_bias, D, h0f,
                                                                     return_final_state, train, 0)
             out = F.linear(y, self.out_proj.weight.to(xdt),
                            None if self.out_proj.bias is None else self.out_proj.bias.to(xdt))

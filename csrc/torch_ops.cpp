@@ -33,20 +33,18 @@ void poison(at::Tensor& t) {
 
 // The scan kernel on precomputed projections: delta_pre (batch, L, D) and [B | C] (batch, L, 2N) in x's
 // dtype (any row-addressable layout, row_operand). z: the block's gate (batch, L, D), or null for the
-// layer; keep_ungated: also return y before the gate (the block's training forward). ckpt: when given,
-// (batch, ckpt_count(L), D, N) float32, filled with the forward's checkpoints. Returns (y, final state,
-// y before the gate or an empty tensor).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
+// layer. ckpt: when given, (batch, ckpt_count(L), D, N) float32, filled with the forward's checkpoints.
+// Returns (y, final state or an empty tensor).
+std::tuple<at::Tensor, at::Tensor> run_scan(
     const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x_in, const at::Tensor& A_log,
     const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
     int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N, at::Tensor* ckpt = nullptr,
-    const at::Tensor* z_in = nullptr, bool keep_ungated = false, const at::Tensor* cu = nullptr) {
+    const at::Tensor* z_in = nullptr, const at::Tensor* cu = nullptr) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   // Packed (cu given): batch sequences in one row of L tokens (common/seq_map.h); y is (1, L, D).
   const int64_t rows_batch = cu != nullptr ? 1 : batch;
   if (batch == 0 || L == 0) {
-    auto [y, hT] = empty_result(x_in, batch, Dm, N, h0, return_final_state);
-    return {y, hT, at::empty({keep_ungated ? rows_batch : 0, L, Dm}, x_in.options())};
+    return empty_result(x_in, batch, Dm, N, h0, return_final_state);
   }
   const at::Tensor x = aligned_contiguous(x_in);
   const auto [delta, delta_stride] = row_operand(delta_in);
@@ -78,14 +76,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
   at::Tensor y = at::empty({rows_batch, L, Dm}, x.options());
   at::Tensor hT = return_final_state ? at::empty({batch, Dm, N}, x.options().dtype(at::kFloat))
                                      : at::empty({0}, x.options().dtype(at::kFloat));
-  at::Tensor yu = at::empty({keep_ungated ? rows_batch : 0, L, Dm}, x.options());
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
   poison(y);
   poison(hT);
-  poison(yu);
   p.y = y.data_ptr();
-  p.y_ungated = keep_ungated ? yu.data_ptr() : nullptr;
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   if (ckpt != nullptr) {
@@ -93,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_scan(
     p.ckpt = ckpt->data_ptr<float>();
   }
   SELSCAN_CUDA_OK(scan_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the scan kernel launch");
-  return {y, hT, yu};
+  return {y, hT};
 }
 
 void check_scan_envelope(int64_t Dm, int64_t N) {
@@ -111,8 +106,8 @@ std::tuple<at::Tensor, at::Tensor> scan_fwd(const at::Tensor& proj, const at::Te
   auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
   check_tensor(proj, "proj", x, {batch, L, Dm + 2 * N}, x.scalar_type());
   check_scan_envelope(Dm, N);
-  auto [y, hT, unused] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
-                                  return_final_state, l_segments, batch, L, Dm, N);
+  auto [y, hT] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
+                          return_final_state, l_segments, batch, L, Dm, N);
   return {y, hT};
 }
 
@@ -131,8 +126,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unfused_forward(
   // cuBLAS, following torch.get_float32_matmul_precision() for float32.
   const at::Tensor W = at::cat({W_delta, W_B, W_C}, 0);                                    // (D + 2N, D)
   const at::Tensor proj = at::mm(x.reshape({batch * L, Dm}), W.t()).view({batch, L, Dm + 2 * N});
-  auto [y, hT, unused] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
-                                  return_final_state, l_segments, batch, L, Dm, N, ckpt);
+  auto [y, hT] = run_scan(proj.narrow(2, 0, Dm), proj.narrow(2, Dm, 2 * N), x, A_log, b_delta, D, h0,
+                          return_final_state, l_segments, batch, L, Dm, N, ckpt);
   return {y, hT, proj};
 }
 
@@ -162,13 +157,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unfused_fwd_res(
 // rest); dx the scan's own part of the gradient of x, dt * sum_n g * B + D * dy.
 struct ScanBwdOut {
   at::Tensor dP, dx, bc_part, dA_part, dDdb_part, dh0;
+  at::Tensor dz;  // the gate's gradient (batch, L, D) under the block's gate, else empty
 };
 
 ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, const at::Tensor& x,
                         const at::Tensor& A_c, const at::Tensor& b_delta, const at::Tensor& D,
                         const at::Tensor& dy_in, const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt_in,
                         int64_t l_segments, int64_t batch, int64_t L, int64_t Dm, int64_t N,
-                        const at::Tensor* cu = nullptr) {
+                        const at::Tensor* cu = nullptr, const at::Tensor* gate_z = nullptr) {
   const int64_t rows_batch = cu != nullptr ? 1 : batch;  // packed: batch sequences in one row of L tokens
   const auto fopt = x.options().dtype(at::kFloat);
   const at::Tensor dy = aligned_contiguous(dy_in.to(x.scalar_type()));
@@ -189,6 +185,12 @@ ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, con
   p.dhT = dhT ? dhT_c.data_ptr<float>() : nullptr;
   p.ckpt = ckpt.data_ptr<float>();
   if (cu != nullptr) p.cu_seqlens = cu->data_ptr<int32_t>();
+  at::Tensor z;
+  if (gate_z != nullptr) {  // the block's gate: dy is the gradient of y * silu(z)
+    int64_t z_stride = 0;
+    std::tie(z, z_stride) = row_operand(*gate_z);
+    p.gate_z = z.data_ptr(); p.gate_z_stride = z_stride;
+  }
   ScanBwdLaunchInfo plan;
   SELSCAN_CUDA_OK(scan_bwd_plan(p, cu != nullptr ? 1 : l_segments, x.get_device(), &plan),
                   "planning the backward scan");
@@ -203,13 +205,15 @@ ScanBwdOut run_scan_bwd(const at::Tensor& delta_in, const at::Tensor& bc_in, con
   r.dA_part = at::empty({rows, Dm, N}, fopt);
   r.dDdb_part = at::empty({2, rows * plan.rows_per_col, Dm}, fopt);
   r.dh0 = at::empty({batch, Dm, N}, fopt);
+  r.dz = at::empty({gate_z != nullptr ? rows_batch : 0, L, Dm}, x.options());
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws = at::empty({ws_floats}, fopt);
-  for (at::Tensor* t : {&r.dP, &r.dx, &r.bc_part, &r.dA_part, &r.dDdb_part, &r.dh0}) poison(*t);
+  for (at::Tensor* t : {&r.dP, &r.dx, &r.bc_part, &r.dA_part, &r.dDdb_part, &r.dh0, &r.dz}) poison(*t);
   p.dP = r.dP.data_ptr(); p.dx = r.dx.data_ptr();
   p.bc_partial = r.bc_part.data_ptr<float>(); p.dA_partial = r.dA_part.data_ptr<float>();
   p.dD_partial = r.dDdb_part[0].data_ptr<float>(); p.db_partial = r.dDdb_part[1].data_ptr<float>();
   p.dh0 = r.dh0.data_ptr<float>();
+  p.dgate_z = gate_z != nullptr ? r.dz.data_ptr() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(scan_bwd_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the backward scan launch");
   return r;
@@ -249,9 +253,9 @@ std::vector<at::Tensor> unfused_bwd(const at::Tensor& x_in, const at::Tensor& A_
 
 // The Mamba-1 block's unfused scan (selscan_fused/block.py): delta_pre from dt_proj's product and
 // [B | C] from x_proj's output (library products, made by the caller), u the conv's output and z the
-// gate, both (batch, L, d_inner). y = (scan + D * u) * silu(z). training: also return the checkpoints
-// and y before the gate, which the backward (scan_bwd and the gate's derivative) needs.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_scan_fwd(
+// gate, both (batch, L, d_inner). y = (scan + D * u) * silu(z). training: also return the checkpoints,
+// from which the backward scan (scan_bwd with gate_z) recomputes the states and y before the gate.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_scan_fwd(
     const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& u, const at::Tensor& z, const at::Tensor& A_log,
     const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0, bool return_final_state,
     bool training, int64_t l_segments) {
@@ -262,36 +266,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_scan_fwd(
   check_scan_envelope(Dm, N);
   const c10::cuda::CUDAGuard guard(u.device());
   at::Tensor ckpt = at::empty({training ? batch : 0, ckpt_count(L), Dm, N}, u.options().dtype(at::kFloat));
-  auto [y, hT, yu] = run_scan(delta, bc, u, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N,
-                              training ? &ckpt : nullptr, &z, training);
-  return {y, hT, ckpt, yu};
+  auto [y, hT] = run_scan(delta, bc, u, A_log, b_delta, D, h0, return_final_state, l_segments, batch, L, Dm, N,
+                          training ? &ckpt : nullptr, &z);
+  return {y, hT, ckpt};
 }
 
 // The backward scan kernel alone on the forward's projections (the block's backward; its products
-// are the caller's). Returns (dP (batch, L, D + 2N) = [d delta_pre | dB | dC], dx (the scan's own part,
-// dt * sum_n g * B + D * dy), dA_log, db_delta, dD, dh0).
+// are the caller's). gate_z: the block's gate z (batch, L, D); dy is then the gradient of the gated
+// output y * silu(z). Returns (dP (batch, L, D + 2N) = [d delta_pre | dB | dC], dx (the scan's own part,
+// dt * sum_n g * B + D * dy), dA_log, db_delta, dD, dh0, dz (the gate's gradient, or empty)).
 std::vector<at::Tensor> scan_bwd(const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x,
                                  const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,
                                  const c10::optional<at::Tensor>& h0, const at::Tensor& dy,
-                                 const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt, int64_t l_segments) {
+                                 const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt, int64_t l_segments,
+                                 const c10::optional<at::Tensor>& gate_z) {
   auto [batch, L, Dm, N] = check_common(x, A_log, b_delta, D, h0);
   check_tensor(delta, "delta", x, {batch, L, Dm}, x.scalar_type(), " (dt_proj's output, shaped as x)");
   check_tensor(bc, "bc", x, {batch, L, 2 * N}, x.scalar_type(), " ([B | C]; N from A_log)");
   check_scan_envelope(Dm, N);
   check_backward_args(x, dy, dhT, ckpt, batch, L, Dm, N);
+  if (gate_z) check_tensor(*gate_z, "gate_z", x, {batch, L, Dm}, x.scalar_type(), " (the gate, shaped as x)");
   const c10::cuda::CUDAGuard guard(x.device());
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   if (batch == 0 || L == 0) {
     const auto fopt = x.options().dtype(at::kFloat);
     at::Tensor dh0 = dhT ? dhT->to(at::kFloat).clone(at::MemoryFormat::Contiguous) : at::zeros({batch, Dm, N}, fopt);
     return {at::zeros({batch, L, Dm + 2 * N}, x.options()), at::zeros({batch, L, Dm}, x.options()),
-            at::zeros_like(A_log), at::zeros_like(b_delta), at::zeros_like(D), dh0};
+            at::zeros_like(A_log), at::zeros_like(b_delta), at::zeros_like(D), dh0,
+            at::zeros({gate_z ? batch : 0, L, Dm}, x.options())};
   }
   const at::Tensor xc = aligned_contiguous(x);
   const at::Tensor A_c = A_log.contiguous();
-  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, l_segments, batch, L, Dm, N);
+  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, l_segments, batch, L, Dm, N, nullptr,
+                              gate_z ? &*gate_z : nullptr);
   auto [dA_log, dD, db] = sum_partials(A_c, r.dP, r.bc_part, r.dA_part, r.dDdb_part, batch, L, Dm, N);
-  return {r.dP, r.dx, dA_log, db, dD, r.dh0};
+  return {r.dP, r.dx, dA_log, db, dD, r.dh0, r.dz};
 }
 
 // [n_segments, seg_len] the scan kernel would use for x's shape (for tests and benchmarks).
@@ -336,9 +345,8 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> check_packed(const at::Tensor& de
 
 // The scan kernel over packed sequences, each from h0[s] (or zeros) into the final state [s]:
 // (y (1, total, D), final state (num_seqs, D, N) or empty, checkpoints (1, packed_slots, D, N) when
-// training (else (0, ...)), y before the gate (1, total, D) when training with z, else empty). z: the
-// block's gate (1, total, D) or absent (the layer).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_fwd_packed(
+// training (else (0, ...))). z: the block's gate (1, total, D) or absent (the layer).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scan_fwd_packed(
     const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x, const c10::optional<at::Tensor>& z,
     const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
     const at::Tensor& cu_seqlens, bool return_final_state, bool training) {
@@ -349,18 +357,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_fwd_packed(
   at::Tensor ckpt = at::empty({training ? 1 : 0, packed_slots(T, S, kCkptEvery), Dm, N},
                               x.options().dtype(at::kFloat));
   at::Tensor ckpt_rows = ckpt.view({-1, Dm, N});
-  auto [y, hT, yu] = run_scan(delta, bc, x, A_log, b_delta, D, h0, return_final_state, 1, S, T, Dm, N,
-                              training ? &ckpt_rows : nullptr, z ? &*z : nullptr, training && z.has_value(), &cu);
-  return {y, hT, ckpt, yu};
+  auto [y, hT] = run_scan(delta, bc, x, A_log, b_delta, D, h0, return_final_state, 1, S, T, Dm, N,
+                          training ? &ckpt_rows : nullptr, z ? &*z : nullptr, &cu);
+  return {y, hT, ckpt};
 }
 
 // The backward scan kernel over packed sequences: (dP (1, total, D + 2N) = [d delta_pre | dB | dC], dx (the
-// scan's own part), dA_log, db_delta, dD, dh0 (num_seqs, D, N)).
+// scan's own part), dA_log, db_delta, dD, dh0 (num_seqs, D, N), dz (the gate's gradient (1, total, D)
+// when gate_z is given, else empty)).
 std::vector<at::Tensor> scan_bwd_packed(const at::Tensor& delta, const at::Tensor& bc, const at::Tensor& x,
                                         const at::Tensor& A_log, const at::Tensor& b_delta, const at::Tensor& D,
                                         const c10::optional<at::Tensor>& h0, const at::Tensor& dy,
                                         const c10::optional<at::Tensor>& dhT, const at::Tensor& ckpt,
-                                        const at::Tensor& cu_seqlens) {
+                                        const at::Tensor& cu_seqlens, const c10::optional<at::Tensor>& gate_z) {
   auto [S, T, Dm, N] = check_packed(delta, bc, x, A_log, b_delta, D, h0, cu_seqlens);
   check_tensor(dy, "dy (the gradient of y)", x, x.sizes(), c10::nullopt);
   TORCH_CHECK(dy.is_floating_point(), "selscan_fused: dy must be floating-point, got ", dy.scalar_type());
@@ -370,20 +379,22 @@ std::vector<at::Tensor> scan_bwd_packed(const at::Tensor& delta, const at::Tenso
   }
   check_tensor(ckpt, "ckpt (the forward's checkpoints)", x, {1, packed_slots(T, S, kCkptEvery), Dm, N}, at::kFloat,
                " (scan_fwd_packed's, with training=True)");
+  if (gate_z) check_tensor(*gate_z, "gate_z", x, {1, T, Dm}, x.scalar_type(), " (the gate, shaped as x)");
   const c10::cuda::CUDAGuard guard(x.device());
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   if (T == 0) {
     const auto fopt = x.options().dtype(at::kFloat);
     at::Tensor dh0 = dhT ? dhT->to(at::kFloat).clone(at::MemoryFormat::Contiguous) : at::zeros({S, Dm, N}, fopt);
     return {at::zeros({1, T, Dm + 2 * N}, x.options()), at::zeros({1, T, Dm}, x.options()), at::zeros_like(A_log),
-            at::zeros_like(b_delta), at::zeros_like(D), dh0};
+            at::zeros_like(b_delta), at::zeros_like(D), dh0, at::zeros({gate_z ? 1 : 0, T, Dm}, x.options())};
   }
   const at::Tensor cu = cu_seqlens.contiguous();
   const at::Tensor xc = aligned_contiguous(x);
   const at::Tensor A_c = A_log.contiguous();
-  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, 1, S, T, Dm, N, &cu);
+  ScanBwdOut r = run_scan_bwd(delta, bc, xc, A_c, b_delta, D, dy, dhT, ckpt, 1, S, T, Dm, N, &cu,
+                              gate_z ? &*gate_z : nullptr);
   auto [dA_log, dD, db] = sum_partials(A_c, r.dP, r.bc_part, r.dA_part, r.dDdb_part, 1, T, Dm, N);
-  return {r.dP, r.dx, dA_log, db, dD, r.dh0};
+  return {r.dP, r.dx, dA_log, db, dD, r.dh0, r.dz};
 }
 
 void set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
@@ -404,14 +415,14 @@ TORCH_LIBRARY(selscan_fused, m) {
         "Tensor D, Tensor? h0, Tensor dy, Tensor? dhT, Tensor? proj, Tensor ckpt, int l_segments) -> Tensor[]");
   // The Mamba-1 block's unfused path (selscan_fused/block.py): the gated scan and the backward scan alone.
   m.def("gated_scan_fwd(Tensor delta, Tensor bc, Tensor u, Tensor z, Tensor A_log, Tensor b_delta, Tensor D, "
-        "Tensor? h0, bool return_final_state, bool training, int l_segments) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? h0, bool return_final_state, bool training, int l_segments) -> (Tensor, Tensor, Tensor)");
   m.def("scan_bwd(Tensor delta, Tensor bc, Tensor x, Tensor A_log, Tensor b_delta, Tensor D, Tensor? h0, "
-        "Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments) -> Tensor[]");
+        "Tensor dy, Tensor? dhT, Tensor ckpt, int l_segments, Tensor? gate_z=None) -> Tensor[]");
   // Packed sequences (cu_seqlens, int32 (num_seqs + 1,)): x (1, total, D); the layer passes no z.
   m.def("scan_fwd_packed(Tensor delta, Tensor bc, Tensor x, Tensor? z, Tensor A_log, Tensor b_delta, Tensor D, "
-        "Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool training) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool training) -> (Tensor, Tensor, Tensor)");
   m.def("scan_bwd_packed(Tensor delta, Tensor bc, Tensor x, Tensor A_log, Tensor b_delta, Tensor D, Tensor? h0, "
-        "Tensor dy, Tensor? dhT, Tensor ckpt, Tensor cu_seqlens) -> Tensor[]");
+        "Tensor dy, Tensor? dhT, Tensor ckpt, Tensor cu_seqlens, Tensor? gate_z=None) -> Tensor[]");
   // Test hook: NaN-fill the outputs before every launch (off by default).
   m.def("set_poison_outputs(bool enable) -> ()", &selscan::set_poison_outputs);
 }

@@ -141,53 +141,39 @@ if extension_available():
 
 
 def _gated_scan_setup(ctx, inputs, output):
-    """gated_scan_fwd: keep what scan_bwd and the gate's derivative need."""
+    """gated_scan_fwd: keep what scan_bwd needs (no y before the gate: the backward scan recomputes it)."""
     delta, bc, u, z, A_log, b_delta, D, h0, _, training, l_segments = inputs
-    _, _, ckpt, y_ungated = output
+    _, _, ckpt = output
     ctx.training = training
     ctx.l_segments = l_segments
-    ctx.save_for_backward(delta, bc, u, z, A_log, b_delta, D, h0, ckpt, y_ungated)
+    ctx.save_for_backward(delta, bc, u, z, A_log, b_delta, D, h0, ckpt)
     ctx.set_materialize_grads(False)
 
 
-def _gate_backward(dy, z, yu):
-    """(dyu, dz) of the block's gate y = yu * silu(z) for dy (None: zeros), shared by every gated
-    backward: one kernel (gate_bwd, csrc/scan/gate_bwd.cu) when the dtypes agree, the same formula in
-    float32 PyTorch otherwise (dyu = dy z s, dz = dy yu s (1 + z (1 - s)), s = sigmoid(z))."""
-    if dy is None:
-        return torch.zeros_like(yu), torch.zeros_like(z)
-    if dy.dtype == yu.dtype == z.dtype and dy.dim() == 3:
-        return torch.ops.selscan_fused.gate_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(),
-                                                z if z.stride(-1) == 1 else z.contiguous(), yu)
-    zf = z.float()
-    s = torch.sigmoid(zf)
-    dyf = dy.float()
-    return (dyf * zf * s).to(yu.dtype), (dyf * yu.float() * s * (1 + zf * (1 - s))).to(z.dtype)
-
-
 def _gated_fake(u, A_log, return_final_state, training):
-    """gated_scan_fwd's and fused_block_fwd's outputs: y, the final state, the checkpoints and y before
-    the gate (the last two empty along the batch unless training)."""
+    """gated_scan_fwd's and fused_block_fwd's outputs: y, the final state and the checkpoints (empty
+    along the batch unless training)."""
     y, h = _fake_outputs(u, A_log, return_final_state)
-    batch, L, Dm = u.shape
+    _, L, Dm = u.shape
     ckpt = _fake_ckpt(u, A_log) if training else u.new_empty((0, (L + CKPT_EVERY - 1) // CKPT_EVERY, Dm,
                                                               A_log.shape[1]), dtype=torch.float32)
-    return y, h, ckpt, u.new_empty((batch if training else 0, L, Dm))
+    return y, h, ckpt
 
 
 def _gated_scan_backward(ctx, dy, dhT, *unused):
-    """The gate's derivative (one kernel, gate_bwd), then the backward scan kernel (scan_bwd):
-    y = yu * silu(z): dyu = dy * silu(z), dz = dy * yu * silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)."""
+    """The backward scan kernel with the gate (scan_bwd with gate_z): for y_out = y * silu(z) it takes
+    dy_out, recomputes y from the checkpoints and returns the gate's gradient dz = dy_out * y * silu'(z)
+    beside the scan's."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: gated_scan_fwd was called with training=False and keeps nothing for "
                            "a backward; call it with training=True (selscan_fused.mamba_block does)")
-    delta, bc, u, z, A_log, b_delta, D, h0, ckpt, yu = ctx.saved_tensors
+    delta, bc, u, z, A_log, b_delta, D, h0, ckpt = ctx.saved_tensors
     Dm = u.shape[-1]
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    dyu, dz = _gate_backward(dy, z, yu)
-    dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b_delta, D, h0, dyu, dhT,
-                                                                    ckpt, ctx.l_segments)
+    dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(
+        delta, bc, u, A_log, b_delta, D, h0, torch.zeros_like(u) if dy is None else dy, dhT, ckpt, ctx.l_segments,
+        gate_z=z)
     return (dP[..., :Dm], dP[..., Dm:], du, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 
 
@@ -197,45 +183,41 @@ if extension_available():
     def _gated_scan_fwd_fake(delta, bc, u, z, A_log, b_delta, D, h0, return_final_state, training, l_segments):
         return _gated_fake(u, A_log, return_final_state, training)
 
-    @torch.library.register_fake("selscan_fused::gate_bwd")
-    def _gate_bwd_fake(dy, z, yu):
-        return dy.new_empty(dy.shape), dy.new_empty(dy.shape)
-
     @torch.library.register_fake("selscan_fused::scan_bwd")
-    def _scan_bwd_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, l_segments):
+    def _scan_bwd_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, l_segments, gate_z=None):
         batch, L, Dm = x.shape
         N = A_log.shape[1]
         return [x.new_empty((batch, L, Dm + 2 * N)), x.new_empty((batch, L, Dm)), torch.empty_like(A_log),
-                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((batch, Dm, N), dtype=torch.float32)]
+                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((batch, Dm, N), dtype=torch.float32),
+                x.new_empty((batch if gate_z is not None else 0, L, Dm))]
 
     torch.library.register_autograd("selscan_fused::gated_scan_fwd", _gated_scan_backward,
                                     setup_context=_gated_scan_setup)
 
 
 def _packed_setup(ctx, inputs, output):
-    """scan_fwd_packed: keep what scan_bwd_packed (and the gate's derivative) needs."""
+    """scan_fwd_packed: keep what scan_bwd_packed needs."""
     delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, _, training = inputs
-    _, _, ckpt, yu = output
+    _, _, ckpt = output
     ctx.training = training
-    ctx.save_for_backward(delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt, yu)
+    ctx.save_for_backward(delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt)
     ctx.set_materialize_grads(False)
 
 
 def _packed_backward(ctx, dy, dhT, *unused):
-    """Packed sequences: the gate's derivative (the block), then the backward scan kernel over the
-    sequences (scan_bwd_packed); delta_pre's, B's and C's gradients go back through the caller's products."""
+    """Packed sequences: the backward scan kernel over the sequences (scan_bwd_packed, with the block's
+    gate when z is given); delta_pre's, B's and C's gradients go back through the caller's products."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: scan_fwd_packed was called with training=False and keeps nothing for "
                            "a backward; call it with training=True (selscan_fused's packed paths do)")
-    delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt, yu = ctx.saved_tensors
+    delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, ckpt = ctx.saved_tensors
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    if z is not None:
-        dyx, dz = _gate_backward(dy, z, yu)
-    else:
-        dyx, dz = (torch.zeros_like(x) if dy is None else dy), None
-    dP, dx, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd_packed(delta, bc, x, A_log, b_delta, D, h0, dyx,
-                                                                          dhT, ckpt, cu_seqlens)
+    dP, dx, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd_packed(
+        delta, bc, x, A_log, b_delta, D, h0, torch.zeros_like(x) if dy is None else dy, dhT, ckpt, cu_seqlens,
+        gate_z=z)
+    if z is None:
+        dz = None
     Dm = x.shape[-1]
     return (dP[..., :Dm], dP[..., Dm:], dx, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 
@@ -250,16 +232,16 @@ if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed")
         f32 = dict(dtype=torch.float32)
         h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
         ckpt = x.new_empty((1 if training else 0, T // CKPT_EVERY + S, Dm, N), **f32)
-        yu = x.new_empty((1 if (training and z is not None) else 0, T, Dm))
-        return x.new_empty(x.shape), h, ckpt, yu
+        return x.new_empty(x.shape), h, ckpt
 
     @torch.library.register_fake("selscan_fused::scan_bwd_packed")
-    def _scan_bwd_packed_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, cu_seqlens):
+    def _scan_bwd_packed_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, cu_seqlens, gate_z=None):
         _, T, Dm = x.shape
         N = A_log.shape[1]
         S = cu_seqlens.shape[0] - 1
         return [x.new_empty((1, T, Dm + 2 * N)), x.new_empty(x.shape), torch.empty_like(A_log),
-                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((S, Dm, N), dtype=torch.float32)]
+                torch.empty_like(b_delta), torch.empty_like(D), x.new_empty((S, Dm, N), dtype=torch.float32),
+                x.new_empty((1 if gate_z is not None else 0, T, Dm))]
 
     torch.library.register_autograd("selscan_fused::scan_fwd_packed", _packed_backward, setup_context=_packed_setup)
 
@@ -268,23 +250,23 @@ def _fused_block_setup(ctx, inputs, output):
     """fused_block_fwd: keep what the backward needs: in_proj's output xz (u is recomputed from it),
     x_proj's output (made by the op or given), the checkpoints and y before the gate."""
     xz, conv_w, conv_b, conv_state, wx, xdbl_in, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs
-    _, _, ckpt, y_ungated, xdbl_out = output
+    _, _, ckpt, xdbl_out = output
     ctx.training, ctx.l_segments = training, l_segments
     ctx.save_for_backward(xz, conv_w, conv_b, conv_state, wx, xdbl_out if wx is not None else xdbl_in, dt_w, A_log,
-                          dt_bias, D, h0, ckpt, y_ungated)
+                          dt_bias, D, h0, ckpt)
     ctx.set_materialize_grads(False)
 
 
-def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_yu, d_xdbl_out):
+def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_xdbl_out):
     """The fused block's backward: u recomputed by the conv kernel (bitwise the forward's), dt_proj's
     product recomputed by the library (delta_pre, rounded to the dtype as the unfused path holds it),
-    the unfused path's gate and backward scan kernels, then the products' gradients (dt_proj: d dt_low =
+    the unfused path's backward scan kernel with the gate (y before the gate recomputed there), then the products' gradients (dt_proj: d dt_low =
     d delta_pre W, d W = d delta_pre^T dt_low; x_proj: du += d xdbl W_x, d W_x = d xdbl^T u) and the
     conv's backward kernel."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: fused_block_fwd was called with training=False and keeps nothing for "
                            "a backward; call it with training=True (selscan_fused.mamba_block does)")
-    xz, conv_w, conv_b, conv_state, wx, xdbl, dt_w, A_log, dt_bias, D, h0, ckpt, yu = ctx.saved_tensors
+    xz, conv_w, conv_b, conv_state, wx, xdbl, dt_w, A_log, dt_bias, D, h0, ckpt = ctx.saved_tensors
     Dm, R = A_log.shape[0], dt_w.shape[1]
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
@@ -293,9 +275,9 @@ def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_yu, d_xdbl_out):
     with torch.autocast("cuda", enabled=False):
         u, _ = torch.ops.selscan_fused.causal_conv1d_fwd(xi, conv_w, conv_b, conv_state, True, False)
         delta = torch.nn.functional.linear(dt_low, dt_w)
-        dyu, dz = _gate_backward(dy, z, yu)
-        dP, du, dA_log, db, dD, dh0 = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dyu, dhT,
-                                                                        ckpt, ctx.l_segments)
+        dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(
+            delta, bc, u, A_log, dt_bias, D, h0, torch.zeros_like(u) if dy is None else dy, dhT, ckpt,
+            ctx.l_segments, gate_z=z)
         d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
         d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
         d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)
@@ -322,9 +304,9 @@ if fused_extension_available():
                               return_final_state, training, l_segments):
         batch, L, _ = xz.shape
         Dm, N = A_log.shape
-        y, h, ckpt, yu = _gated_fake(xz.new_empty((batch, L, Dm)), A_log, return_final_state, training)
+        y, h, ckpt = _gated_fake(xz.new_empty((batch, L, Dm)), A_log, return_final_state, training)
         xd = xz.new_empty((batch, L, dt_w.shape[1] + 2 * N) if wx is not None else (0,))
-        return y, h, ckpt, yu, xd
+        return y, h, ckpt, xd
 
     torch.library.register_autograd("selscan_fused::fused_block_fwd", _fused_block_backward,
                                     setup_context=_fused_block_setup)

@@ -446,7 +446,7 @@ def selective_scan(
         with torch.autocast("cuda", enabled=False):
             proj = linear(x, torch.cat([W_delta, W_B, W_C], 0))  # weight gradient: _linear.weight_grad
             delta, bc = proj.split([x.shape[-1], 2 * N], dim=-1)  # one concatenation in the backward
-            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(delta, bc, x, None, A_log, b_delta, D, h0, cu_seqlens,
+            y, h, _ = torch.ops.selscan_fused.scan_fwd_packed(delta, bc, x, None, A_log, b_delta, D, h0, cu_seqlens,
                                                                  return_final_state, train)
         return (y, h) if return_final_state else y
     if train:

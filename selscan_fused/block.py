@@ -290,7 +290,7 @@ def mamba_block(
             wx, dt_w = _as(x_proj_weight, xdt), _as(dt_proj_weight, xdt)
             train = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (xz, cw, conv_bias, cs, wx, dt_w, A_log, dt_bias, D, h0))
-            y, h, _, _, _ = torch.ops.selscan_fused.fused_block_fwd(
+            y, h, _, _ = torch.ops.selscan_fused.fused_block_fwd(
                 xz, cw, _as(conv_bias, f32), _as(cs, f32), wx, None, dt_w, A_log, dt_bias, D, h0,
                 return_final_state, train, cfg.l_segments)
             out = linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
@@ -312,10 +312,10 @@ def mamba_block(
         train = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0, dt_proj_weight))
         if packed:  # the scan kernel with one work item per (sequence, channel tile)
-            y, h, _, _ = torch.ops.selscan_fused.scan_fwd_packed(
+            y, h, _ = torch.ops.selscan_fused.scan_fwd_packed(
                 delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, cu_seqlens, return_final_state, train)
         else:
-            y, h, _, _ = torch.ops.selscan_fused.gated_scan_fwd(
+            y, h, _ = torch.ops.selscan_fused.gated_scan_fwd(
                 delta, xdbl[..., R:], u, z, A_log, dt_bias, D, h0, return_final_state, train, cfg.l_segments)
         out = linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
     return (out, h, conv_T) if return_final_state else out

@@ -365,10 +365,11 @@ def test_unfused_block_ops_opcheck():
     args = (delta, xdbl[..., 4:], u, xz[..., di:], A_log, b, D, h0, True, True, 0)
     torch.library.opcheck(torch.ops.selscan_fused.gated_scan_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    _, _, ckpt, _ = torch.ops.selscan_fused.gated_scan_fwd(*args)
+    _, _, ckpt = torch.ops.selscan_fused.gated_scan_fwd(*args)
     dy = torch.randn(batch, L, di, **f)
-    torch.library.opcheck(torch.ops.selscan_fused.scan_bwd,
-                          (delta, xdbl[..., 4:], u, A_log, b, D, h0, dy, None, ckpt, 0))
+    for gate_z in (None, xz[..., di:]):
+        torch.library.opcheck(torch.ops.selscan_fused.scan_bwd,
+                              (delta, xdbl[..., 4:], u, A_log, b, D, h0, dy, None, ckpt, 0), dict(gate_z=gate_z))
 
 
 @requires_cuda
@@ -438,29 +439,45 @@ def test_unfused_block_memory_has_no_state_sized_tensor():
 @requires_cuda
 @requires_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch,L,d", [(1, 1, 8), (2, 7, 7), (3, 1000, 96), (1, 65, 1536)])
-def test_gate_bwd_kernel_against_float64(dtype, batch, L, d):
-    """The gate's derivative kernel (torch.ops.selscan_fused.gate_bwd) with z the right half of in_proj's
-    output (strided, as the block passes it): every element against the float64 formula, within one
-    rounding of the dtype (float32 arithmetic inside); the scalar path (d = 7) and the 16-byte one."""
+@pytest.mark.parametrize("batch,L,d,N,l_segments", [(1, 1, 8, 16, 0), (2, 7, 40, 8, 0), (3, 1000, 96, 16, 0),
+                                                     (1, 4097, 64, 32, 0), (2, 777, 64, 64, 0), (1, 3000, 64, 16, 5)])
+def test_backward_scan_with_the_gate_against_float64(dtype, batch, L, d, N, l_segments, poisoned_outputs):
+    """The backward scan kernel's gate policy (scan_bwd with gate_z, z the strided right half of in_proj's
+    output as the block passes it): dy is the gradient of y * silu(z); the kernel recomputes y before the
+    gate from the checkpoints (the forward keeps none) and returns the gate's gradient beside the scan's.
+    Every gradient against float64 autograd of the same gated scan; N 8-64, L across chunks and sub-chunks,
+    a forced L split; every element written (poisoned outputs)."""
+    from selscan_fused.reference import scan_ref
     fresh_seed()
-    dy = torch.randn(batch, L, d, device="cuda").to(dtype)
-    xz = (torch.randn(batch, L, 2 * d, device="cuda") * 3).to(dtype)
-    z = xz.split(d, -1)[1]
-    yu = torch.randn(batch, L, d, device="cuda").to(dtype)
-    torch.full((8 * batch * L * d,), float("nan"), device="cuda")  # cached blocks poisoned
-    dyu, dz = torch.ops.selscan_fused.gate_bwd(dy, z, yu)
-    s = torch.sigmoid(z.double())
-    want_dyu = dy.double() * z.double() * s
-    want_dz = dy.double() * yu.double() * s * (1 + z.double() * (1 - s))
-    eps = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
-    for got, want in ((dyu, want_dyu), (dz, want_dz)):
-        assert got.dtype == dtype and got.shape == (batch, L, d) and got.is_contiguous()
-        assert torch.isfinite(got).all()
-        err = (got.double() - want).abs()
-        assert (err <= 2 * eps * want.abs() + 1e-6 * want.abs().max()).all(), err.max().item()
-    with pytest.raises(RuntimeError, match="yu"):
-        torch.ops.selscan_fused.gate_bwd(dy, z, yu[:, :, :-1])
+    f = dict(device="cuda", dtype=dtype)
+    delta = (torch.randn(batch, L, d, device="cuda") * 0.5 - 1).to(dtype)
+    bc = torch.randn(batch, L, 2 * N, **f)
+    u = torch.randn(batch, L, d, **f)
+    xz = (torch.randn(batch, L, 2 * d, device="cuda") * 2).to(dtype)
+    z = xz[..., d:]
+    A_log = torch.randn(d, N, device="cuda") * 0.5
+    b = torch.randn(d, device="cuda") * 0.5
+    D = torch.randn(d, device="cuda")
+    h0 = torch.randn(batch, d, N, device="cuda")
+    dy = torch.randn(batch, L, d, **f)
+    dhT = torch.randn(batch, d, N, device="cuda")
+    _, _, ckpt = torch.ops.selscan_fused.gated_scan_fwd(delta, bc, u, z, A_log, b, D, h0, True, True, l_segments)
+    dP, du, dA, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt,
+                                                                   l_segments, gate_z=z)
+    leaves = [t.detach().double().requires_grad_(True) for t in (delta, bc, u, z, A_log, b, D, h0)]
+    d64, bc64, u64, z64, A64, b64, D64, h064 = leaves
+    y64, h64 = scan_ref(u64, torch.nn.functional.softplus(d64 + b64), A64, bc64[..., :N], bc64[..., N:], D64, h064)
+    ((y64 * torch.nn.functional.silu(z64) * dy.double()).sum() + (h64 * dhT.double()).sum()).backward()
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    got = dict(d_delta=dP[..., :d], d_bc=dP[..., d:], du=du, dz=dz, dA_log=dA, db=db, dD=dD, dh0=dh0)
+    for (name, g), leaf in zip(got.items(), leaves):
+        assert g.shape == leaf.shape, name
+        assert torch.isfinite(g).all(), name
+        assert rel_l2(g, leaf.grad) < tol, (name, rel_l2(g, leaf.grad))
+    # without the gate the same call returns no gate gradient
+    assert torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, l_segments)[6].numel() == 0
+    with pytest.raises(RuntimeError, match="gate_z"):
+        torch.ops.selscan_fused.scan_bwd(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, l_segments, gate_z=z[:, :, 1:])
 
 
 @requires_cuda
@@ -522,7 +539,7 @@ def test_fused_block_xproj_kernel_against_float64(dtype, batch, L, di, N, R, W, 
     fresh_seed()
     for with_states in (True, False):
         xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, dtype, with_states)
-        y, hT, ckpt, yu, xdbl = torch.ops.selscan_fused.fused_block_fwd(
+        y, hT, ckpt, xdbl = torch.ops.selscan_fused.fused_block_fwd(
             xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True, False, 0)
         u = torch.ops.selscan_fused.causal_conv1d_fwd(xz[..., :di], cw, cb, cs, True, False)[0]
         want = u.double() @ wx.double().T
@@ -548,7 +565,7 @@ def test_fused_block_conv_in_kernel_equals_conv_kernel(dtype, batch, L, di, W, l
     fresh_seed()
     N, R = 16, 4
     xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, dtype)
-    y, hT, _, _, xdbl = torch.ops.selscan_fused.fused_block_fwd(
+    y, hT, _, xdbl = torch.ops.selscan_fused.fused_block_fwd(
         xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True, False, l_segments)
     # float64 from the conv kernel's u (bitwise the in-kernel one) and the kernel's own xdbl
     from selscan_fused.reference import scan_ref
@@ -587,3 +604,27 @@ def test_fused_block_op_opcheck():
                   dt_w, A_log, b, D, None, False, True, 0)):
         torch.library.opcheck(torch.ops.selscan_fused.fused_block_fwd, args,
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@requires_hopper
+def test_fused_block_training_forward_keeps_no_inner_sized_tensor():
+    """What the fused block's op keeps for its backward (saved_tensors_hooks see every tensor autograd
+    saves): in_proj's output, [dt_low | B | C], the weights and the state checkpoints; no (batch, L,
+    d_inner) tensor (u, delta or y before the gate: the backward scan recomputes y before the gate)."""
+    fresh_seed()
+    batch, L, di, N, R, W = 2, 300, 128, 16, 8, 4
+    xz, cw, cb, cs, wx, dt_w, A_log, b, D, h0 = fused_block_case(batch, L, di, N, R, W, torch.bfloat16)
+    leaves = [t.requires_grad_(True) for t in (xz, cw, wx, dt_w, A_log, b, D)]
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _, _, _ = torch.ops.selscan_fused.fused_block_fwd(xz, cw, cb, cs, wx, None, dt_w, A_log, b, D, h0, True,
+                                                             True, 0)
+    assert (batch, L, 2 * di) in saved and (batch, L, R + 2 * N) in saved, saved
+    assert (batch, L, di) not in saved, saved
+    y.float().square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)

@@ -364,8 +364,9 @@ def _slices(lengths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [False, True])
 def test_packed_scan_kernels_bitwise_equal_each_sequence_alone(dtype, gate, poisoned_outputs):
-    """scan_fwd_packed and scan_bwd_packed against gated_scan_fwd / scan_bwd on each sequence alone: y,
-    y before the gate, the final state, dP (the gradients of delta_pre, B, C), dx and dh0 bitwise, every
+    """scan_fwd_packed and scan_bwd_packed against gated_scan_fwd (scan_fwd for the layer) / scan_bwd on
+    each sequence alone: y, the final state, dP (the gradients of delta_pre, B, C), dx, dh0 and the gate's
+    gradient bitwise, every
     element written (the outputs were NaN-poisoned); an empty sequence passes its state and its
     gradient through."""
     fresh_seed()
@@ -383,41 +384,44 @@ def test_packed_scan_kernels_bitwise_equal_each_sequence_alone(dtype, gate, pois
     h0 = torch.randn(S, Dm, N, device="cuda")
     cu = cu_of(lengths, "cuda")
     ops = torch.ops.selscan_fused
-    y, hT, ckpt, yu = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, h0, cu, True, True)
+    y, hT, ckpt = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, h0, cu, True, True)
     dy = torch.randn(1, T, Dm, **f)
     dhT = torch.randn(S, Dm, N, device="cuda")
-    dP, dx, dA, db, dD, dh0 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, cu)
-    for t in (y, hT, dP, dx, dh0):
+    dP, dx, dA, db, dD, dh0, dz = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, h0, dy, dhT, ckpt, cu, gate_z=z)
+    assert dz.shape == ((1, T, Dm) if gate else (0, T, Dm))
+    for t in (y, hT, dP, dx, dh0, dz):
         assert torch.isfinite(t).all()
     sums = [torch.zeros_like(t) for t in (dA, db, dD)]
     for s, (a, e) in enumerate(_slices(lengths)):
         if a == e:  # empty: the state and its gradient pass through
             assert torch.equal(hT[s], h0[s]) and torch.equal(dh0[s], dhT[s])
             continue
-        zz = z[:, a:e] if gate else torch.zeros(1, e - a, Dm, **f)
-        ys, hs, ck, yus = ops.gated_scan_fwd(delta[:, a:e], bc[:, a:e], u[:, a:e], zz, A_log, b, D, h0[s:s + 1],
-                                             True, True, 1)
+        zz = z[:, a:e] if gate else torch.zeros(1, e - a, Dm, **f)  # the layer: its checkpoints only
+        ys, hs, ck = ops.gated_scan_fwd(delta[:, a:e], bc[:, a:e], u[:, a:e], zz, A_log, b, D, h0[s:s + 1],
+                                        True, True, 1)
+        if not gate:  # the layer's batch kernel
+            ys, hs = ops.scan_fwd(torch.cat([delta[:, a:e], bc[:, a:e]], -1), u[:, a:e], A_log, b, D, h0[s:s + 1],
+                                  True, 1)
         assert torch.equal(hs[0], hT[s]), s
-        if gate:
-            assert torch.equal(ys, y[:, a:e]) and torch.equal(yus, yu[:, a:e]), s
-        else:
-            assert torch.equal(yus, y[:, a:e]), s  # y before the gate is the layer's y
+        assert torch.equal(ys, y[:, a:e]), s
         g = ops.scan_bwd(delta[:, a:e], bc[:, a:e], u[:, a:e], A_log, b, D, h0[s:s + 1], dy[:, a:e], dhT[s:s + 1],
-                         ck, 1)
+                         ck, 1, gate_z=z[:, a:e] if gate else None)
         assert torch.equal(g[0], dP[:, a:e]), s
         assert torch.equal(g[1], dx[:, a:e]), s
         assert torch.equal(g[5][0], dh0[s]), s
+        if gate:
+            assert torch.equal(g[6], dz[:, a:e]), s
         for acc, part in zip(sums, g[2:5]):
             acc += part
     # dA_log, db_delta, dD: sums over the sequences (the packed kernel's partials in another order)
     for got, want in zip((dA, db, dD), sums):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     # without h0, dhT, the final state or the gate's training outputs: zeros in, nothing asked back
-    y2, hT2, ck2, yu2 = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, False, False)
-    assert hT2.numel() == 0 and ck2.shape[0] == 0 and yu2.shape[0] == 0 and torch.isfinite(y2).all()
-    y3, _, ck3, _ = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, True, True)
+    y2, hT2, ck2 = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, False, False)
+    assert hT2.numel() == 0 and ck2.shape[0] == 0 and torch.isfinite(y2).all()
+    y3, _, ck3 = ops.scan_fwd_packed(delta, bc, u, z, A_log, b, D, None, cu, True, True)
     assert torch.equal(y2, y3)
-    g2 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, None, dy, None, ck3, cu)
+    g2 = ops.scan_bwd_packed(delta, bc, u, A_log, b, D, None, dy, None, ck3, cu, gate_z=z)
     assert all(torch.isfinite(t).all() for t in g2)
 
 

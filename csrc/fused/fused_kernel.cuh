@@ -85,14 +85,12 @@ __device__ __forceinline__ float exp2_poly(float x) {
 }
 
 // The scan's store of kCh adjacent channels of one token (row = sequence * L + token): the layer's y,
-// or, for the block (p.z given), y before the gate to p.y_ungated when set, then y * silu(z) with zv
-// the token's z, loaded a token group ahead (GateRows). One uniform branch per store: the layer's
+// or, for the block (p.z given), y * silu(z) with zv the token's z, loaded a token group ahead (GateRows). One uniform branch per store: the layer's
 // loop is unchanged, the block shares its instantiations.
 template <int kCh, class EO>
 __device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t row, int64_t d, float (&out)[kCh],
                                           const float (&zv)[kCh]) {
   if (p.z != nullptr) {
-    if (p.y_ungated != nullptr) store_vals<kCh>(static_cast<EO*>(p.y_ungated) + row * p.dim + d, out);
     CUTE_UNROLL
     for (int ch = 0; ch < kCh; ++ch) out[ch] *= silu(zv[ch]);
   }

@@ -279,16 +279,17 @@ std::vector<int64_t> fused_bwd_plan_op(const at::Tensor& x, int64_t dstate, int6
 // ---- The Mamba block's fused forward: the layer's kernel with the product's operand [dt_low | B | C]
 // (x_proj's output) and the gated output (FusedParams, "The Mamba block").
 
-// (y, final_state, ckpt, y_ungated, xdbl). From xz, in_proj's output (batch, L, 2 d_inner) = [xi | z]:
+// (y, final_state, ckpt, xdbl). From xz, in_proj's output (batch, L, 2 d_inner) = [xi | z]:
 //   u     = silu(conv(xi)) with conv_weight (d_inner, W), conv_bias, conv_state (batch, d_inner, W - 1)
 //           (float32; zeros without one): made in shared memory by both kernels, never in device memory;
 //   xdbl  = [dt_low | B | C] = u x_proj_weight^T (batch, L, R + 2N) by the first kernel (block_xproj.cu),
 //           or given (xdbl_in, then x_proj_weight is null: the paper tasks' time-invariant ablation);
 //   y     = (C h + D u) * silu(z), delta = softplus(dt_low dt_proj_weight^T + dt_bias) made on the tensor
 //           cores in the fused kernel.
-// training: the checkpoints (batch, ckpt_count(L), D, N) and y before the gate (for the backward), else
-// (0, ckpt_count(L), D, N) and (0, L, D). xdbl is returned when made here (the backward reads it), else (0,).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
+// training: the checkpoints (batch, ckpt_count(L), D, N) (the backward scan recomputes the states and y
+// before the gate from them), else (0, ckpt_count(L), D, N). xdbl is returned when made here (the
+// backward reads it), else (0,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
     const at::Tensor& xz_in, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias,
     const c10::optional<at::Tensor>& conv_state, const c10::optional<at::Tensor>& x_proj_weight,
     const c10::optional<at::Tensor>& xdbl_in, const at::Tensor& dt_proj_weight, const at::Tensor& A_log,
@@ -334,7 +335,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
   const c10::cuda::CUDAGuard guard(xz_in.device());
   const auto f32 = xz_in.options().dtype(at::kFloat);
   at::Tensor ckpt = at::empty({training ? batch : 0, ckpt_count(L), Dm, N}, f32);
-  at::Tensor yu = at::empty({training ? batch : 0, L, Dm}, xz_in.options());
   at::Tensor y = at::empty({batch, L, Dm}, xz_in.options());
   at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{batch, Dm, N} : at::IntArrayRef{0}, f32);
   at::Tensor xdbl = at::empty(x_proj_weight ? at::IntArrayRef{batch, L, K} : at::IntArrayRef{0}, xz_in.options());
@@ -342,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
     if (return_final_state) {
       if (h0) hT.copy_(*h0); else hT.zero_();
     }
-    return {y, hT, ckpt, yu, xdbl};
+    return {y, hT, ckpt, xdbl};
   }
   // xi and z are read in place from xz (channel stride 1, tokens 2 d_inner apart): a contiguous copy
   // otherwise.
@@ -390,7 +390,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   p.z = static_cast<const char*>(xz.data_ptr()) + Dm * elem; p.z_stride = 2 * Dm;
-  p.y_ungated = training ? yu.data_ptr() : nullptr;
   FusedLaunchInfo plan;
   // The channel tile of 64: the in-kernel conv's layout (the narrow layout's epilogue reads the x tile).
   SELSCAN_CUDA_OK(fused_plan(p, l_segments, 64, xz.get_device(), &plan), "planning the fused kernel");
@@ -402,14 +401,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_blo
     y.fill_(NAN);
     if (hT.numel() > 0) hT.fill_(NAN);
     if (ckpt.numel() > 0) ckpt.fill_(NAN);
-    if (yu.numel() > 0) yu.fill_(NAN);
   }
   p.ckpt = training ? ckpt.data_ptr<float>() : nullptr;
   p.y = y.data_ptr();
   p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(fused_launch(p, stream), "the fused kernel launch (block)");
-  return {y, hT, ckpt, yu, xdbl};
+  return {y, hT, ckpt, xdbl};
 }
 
 void fused_set_poison_outputs(bool enable) { g_poison_outputs.store(enable); }
@@ -433,11 +431,11 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "-> Tensor[]");
   m.def("fused_bwd_plan(Tensor x, int dstate, int l_segments, int mode=0, int threads_per_channel=0) -> int[]");
   // The Mamba block's fused forward (block_xproj.cu's kernel, then the same fused kernel with the conv
-  // inside): (y, final_state, ckpt, y_ungated, xdbl).
+  // inside): (y, final_state, ckpt, xdbl).
   m.def("fused_block_fwd(Tensor xz, Tensor conv_weight, Tensor? conv_bias, Tensor? conv_state, "
         "Tensor? x_proj_weight, Tensor? xdbl, Tensor dt_proj_weight, Tensor A_log, Tensor dt_bias, Tensor D, "
         "Tensor? h0, bool return_final_state, bool training, int l_segments) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_set_poison_outputs(bool enable) -> ()", &selscan::fused_set_poison_outputs);
   // Test and benchmark hook: off, every call encodes all its TMA descriptors (fused_api.h).
   m.def("fused_set_descriptor_cache(bool enable) -> ()", &selscan::fused_set_descriptor_cache_op);

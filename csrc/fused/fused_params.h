@@ -45,7 +45,7 @@ struct FusedParams {
   //    pass through as products by 1 and 0 (exact for bf16/fp16; float32 takes 3xTF32, within 2^-21);
   //    x (the scan's input and D's) is the conv's output u.
   //  - the gated output: y = (C h + D u) * silu(z), z (batch, L, D) with token stride z_stride (the right
-  //    half of in_proj's output); y_ungated, when set, receives C h + D u (for the backward).
+  //    half of in_proj's output). The backward recomputes C h + D u (the backward scan's gate policy).
   //  - the conv inside the kernel (conv_weight set): x is then the conv's input xi (the left half of
   //    in_proj's output, tokens x_token_stride apart, sequences L x_token_stride apart), and the scan
   //    threads turn each x tile into u = silu(conv(xi)) in shared memory before its scan (the W - 1
@@ -55,7 +55,6 @@ struct FusedParams {
   int64_t k_dim = 0;                // the product's reduction length; 0: D (the layer)
   const void* z = nullptr;          // (batch, L, D) rows of z_stride elements, dtype; null: no gate
   int64_t z_stride = 0;
-  void* y_ungated = nullptr;        // (batch, L, D), dtype, or null
   int64_t x_token_stride = 0;       // elements between tokens of x; 0: D (contiguous)
   const float* conv_weight = nullptr;  // (D, conv_width), or null: x is the scan's input (no conv)
   const float* conv_bias = nullptr;    // (D,) or null

@@ -30,6 +30,12 @@
 //   Two rounds of exponentials for N <= 32 (F and R), three for N = 64 (the decays of a sub-chunk
 //   do not fit in registers next to its states, so R computes them twice).
 //
+// The block's gate (kGate, the forward's output policy): dy is the gradient of the gated output
+// y * silu(z). prep turns it into the gradient of y, dy * silu(z), and keeps q = dy * silu'(z); (R)
+// forms y = sum_n C h + D x from the states it recomputes anyway (reduced over the kP threads of a
+// channel), and the store phase writes the gate's gradient q * y. So the forward keeps no y before the
+// gate, and no separate kernel reads it back.
+//
 // Parallelism along L (n_segments > 1, cooperative launch): the adjoint recurrence is linear, so a
 // segment's adjoint is its own part (from a zero adjoint at its end) plus the decayed adjoint entering
 // from its successor. Phase 1: every segment but the first runs the adjoint alone (no states needed)
@@ -52,9 +58,10 @@
 namespace selscan {
 namespace scan_bwd {
 
-template <class T_, int kN_>
+template <class T_, int kN_, bool kGate_ = false>
 struct Traits {
   using T = T_;
+  static constexpr bool kGate = kGate_;              // dy is the gradient of y * silu(z) (the block)
   static constexpr int kN = kN_;                     // states per channel
   // Threads per channel: 8 (4 for N = 8), so that each thread keeps few states (kNS = 2, 2, 4, 8 for
   // N = 8, 16, 32, 64) and a CTA of 32 channels has 8 warps: the shared memory per channel and token
@@ -80,10 +87,26 @@ struct Traits {
   static_assert((kS * 2 * kN) % kThreads == 0, "dB/dC sums of a sub-chunk: whole rounds of threads");
 };
 
+// The gate's rows (the block): z as loaded, and q = dy * silu'(z), overwritten by the gate's gradient in
+// (R). Empty for the layer, whose shared memory (occupancy, L-split plan) stays as it was.
+template <class T, int kT, int kDc, bool kGate>
+struct GateRaw {
+  alignas(16) T z[kT][kDc];
+};
+template <class T, int kT, int kDc>
+struct GateRaw<T, kT, kDc, false> {};
+template <int kT, int kDc, bool kGate>
+struct GateRows {
+  alignas(16) float gq[kT][kDc];
+};
+template <int kT, int kDc>
+struct GateRows<kT, kDc, false> {};
+
 template <class Tr>
-struct SharedStorage {
+struct SharedStorage : GateRows<Tr::kT, Tr::kDc, Tr::kGate> {
   using T = typename Tr::T;
-  struct Raw {  // one chunk as loaded (a single buffer: the next chunk is fetched once prep has read it)
+  // one chunk as loaded (a single buffer: the next chunk is fetched once prep has read it)
+  struct Raw : GateRaw<T, Tr::kT, Tr::kDc, Tr::kGate> {
     alignas(16) T delta[Tr::kT][Tr::kDc];
     alignas(16) T x[Tr::kT][Tr::kDc];
     alignas(16) T dy[Tr::kT][Tr::kDc];
@@ -92,7 +115,7 @@ struct SharedStorage {
   Raw raw;
   alignas(16) float dt[Tr::kT][Tr::kDc];   // softplus(delta_pre + bias); 0 for padding tokens/channels
   alignas(16) float x[Tr::kT][Tr::kDc];
-  alignas(16) float dy[Tr::kT][Tr::kDc];
+  alignas(16) float dy[Tr::kT][Tr::kDc];  // the gradient of y (under the gate: dy * silu(z))
   alignas(16) float sig[Tr::kT][Tr::kDc];  // sigmoid(delta_pre + bias), overwritten by dz in (R)
   alignas(16) float dx[Tr::kT][Tr::kDc];   // dt * sum_n g * B + D * dy
   alignas(16) float B[Tr::kT][Tr::kN];
@@ -144,8 +167,8 @@ __device__ __forceinline__ Item decode_item(const ScanBwdParams& p, int64_t item
   return it;
 }
 
-// cp.async of one chunk: rows row0 .. row0+nvalid-1 of delta_pre, x, dy (the tile's channels) and B|C.
-// kFull = false (the adjoint alone): delta_pre, dy and B|C only.
+// cp.async of one chunk: rows row0 .. row0+nvalid-1 of delta_pre, x, dy, the gate's z (the tile's
+// channels) and B|C. kFull = false (the adjoint alone): no x.
 template <class Tr, bool kFull>
 __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, const ScanBwdParams& p,
                                            int64_t row0, int nvalid, int64_t d0) {
@@ -166,6 +189,8 @@ __device__ __forceinline__ void load_chunk(typename SharedStorage<Tr>::Raw& r, c
         cp_async_16(&r.delta[t][vec * Tr::kVec], delta + int64_t(t) * p.delta_stride + dcol);
         cp_async_16(&r.dy[t][vec * Tr::kVec], dy + int64_t(t) * p.dim + dcol);
         if (kFull) cp_async_16(&r.x[t][vec * Tr::kVec], x + int64_t(t) * p.dim + dcol);
+        if constexpr (Tr::kGate)
+          cp_async_16(&r.z[t][vec * Tr::kVec], static_cast<const T*>(p.gate_z) + (row0 + t) * p.gate_z_stride + dcol);
       }
     }
   }
@@ -190,7 +215,16 @@ __device__ __forceinline__ void prep_chunk(SharedStorage<Tr>& s, const ScanBwdPa
     const bool valid = t < nvalid && col_valid;
     const float z = to_float(r.delta[t][col]) + bias;
     s.dt[t][col] = valid ? softplus(z) : 0.f;
-    s.dy[t][col] = valid ? to_float(r.dy[t][col]) : 0.f;
+    const float dyv = to_float(r.dy[t][col]);
+    if constexpr (Tr::kGate) {
+      // y_out = y * silu(zg): dy = dy_out * silu(zg), q = dy_out * silu'(zg), silu' = s (1 + zg (1 - s))
+      const float zg = to_float(r.z[t][col]);
+      const float sg = 1.f / (1.f + __expf(-zg));
+      s.dy[t][col] = valid ? dyv * zg * sg : 0.f;
+      if (kFull) s.gq[t][col] = valid ? dyv * sg * (1.f + zg * (1.f - sg)) : 0.f;
+    } else {
+      s.dy[t][col] = valid ? dyv : 0.f;
+    }
     if (kFull) {
       const float e = ex2_approx(z * kLog2e);
       // torch's softplus backward: 1 above its threshold (20), else e^z / (1 + e^z)
@@ -313,6 +347,29 @@ __device__ __forceinline__ void backward_chunk(SharedStorage<Tr>& s, const ScanB
         for (int n = 0; n < kNS; ++n) a[j][n] = aj[n];
       }
     }
+    if constexpr (Tr::kGate) {
+      // y = sum_n C h[t] + D x of the sub-chunk's tokens (h[t]: the next token's h[t-1], or hend),
+      // reduce-scattered over the channel's kP threads: lane g ends with tokens g * kYL .. of it;
+      // the gate's gradient q * y replaces q.
+      constexpr int kYL = kS / Tr::kP;
+      static_assert(kS % Tr::kP == 0, "y reduce-scatter");
+      float yv[kS];
+#pragma unroll
+      for (int j = 0; j < kS; ++j) {
+        float Cv[kNS];
+        load_vec<Tr>(&s.C[sc * kS + j][n0], Cv);
+        float acc = 0.f;
+#pragma unroll
+        for (int n = 0; n < kNS; ++n) acc = fmaf(Cv[n], j + 1 < kS ? hp[j + 1 < kS ? j + 1 : j][n] : hend[n], acc);
+        yv[j] = acc;
+      }
+      reduce_scatter<kS, Tr::kP, 1>(yv, g);
+#pragma unroll
+      for (int i = 0; i < kYL; ++i) {
+        const int t = sc * kS + g * kYL + i;
+        s.gq[t][c] *= fmaf(s.Dskip[c], s.x[t][c], yv[i]);
+      }
+    }
     // Reverse, kG tokens per reduction group.
 #pragma unroll
     for (int jg = kS - kG; jg >= 0; jg -= kG) {
@@ -382,7 +439,7 @@ __device__ __forceinline__ void backward_chunk(SharedStorage<Tr>& s, const ScanB
   }
 }
 
-// (store) dz and the scan's part of dx, coalesced; the sums of dz and dy * x.
+// (store) dz, the scan's part of dx and the gate's gradient, coalesced; the sums of dz and dy * x.
 template <class Tr>
 __device__ __forceinline__ void store_chunk(SharedStorage<Tr>& s, const ScanBwdParams& p, const Item& it,
                                             int64_t row0, int nvalid, ItemState<Tr>& st) {
@@ -393,12 +450,15 @@ __device__ __forceinline__ void store_chunk(SharedStorage<Tr>& s, const ScanBwdP
   const int64_t stride = p.dim + 2 * p.dstate;
   T* dP = static_cast<T*>(p.dP) + row0 * stride + it.d0 + col;
   T* dx = static_cast<T*>(p.dx) + row0 * p.dim + it.d0 + col;
+  [[maybe_unused]] T* dgz = nullptr;
+  if constexpr (Tr::kGate) dgz = static_cast<T*>(p.dgate_z) + row0 * p.dim + it.d0 + col;
 #pragma unroll 4
   for (int t = tid / Tr::kDc; t < Tr::kT; t += Tr::kRowsPerCol) {
     if (t < nvalid) {
       const float dz = s.sig[t][col];
       dP[int64_t(t) * stride] = from_float<T>(dz);
       dx[int64_t(t) * p.dim] = from_float<T>(s.dx[t][col]);
+      if constexpr (Tr::kGate) dgz[int64_t(t) * p.dim] = from_float<T>(s.gq[t][col]);
       st.db += dz;
       st.dD = fmaf(s.dy[t][col], s.x[t][col], st.dD);
     }
@@ -557,7 +617,7 @@ template <class T>
 struct Dispatch {
   static cudaError_t launch(const ScanBwdParams& p, cudaStream_t stream);
   // Blocks per SM of the split kernel, channels per CTA and store rows per column, for the plan.
-  static cudaError_t occupancy(int64_t dstate, int device, int* blocks_per_sm, int* channels_per_cta,
+  static cudaError_t occupancy(int64_t dstate, bool gate, int device, int* blocks_per_sm, int* channels_per_cta,
                                int* rows_per_col);
 };
 
@@ -574,16 +634,20 @@ struct Dispatch {
 
 template <class T>
 cudaError_t Dispatch<T>::launch(const ScanBwdParams& p, cudaStream_t stream) {
+  if ((p.gate_z == nullptr) != (p.dgate_z == nullptr)) return cudaErrorInvalidValue;
+  if (p.gate_z != nullptr)
+    return SELSCAN_BWD_SWITCH_N(p.dstate, [&] { return scan_bwd::launch<Traits<T, kN, true>>(p, stream); });
   return SELSCAN_BWD_SWITCH_N(p.dstate, [&] { return scan_bwd::launch<Traits<T, kN>>(p, stream); });
 }
 
 template <class T>
-cudaError_t Dispatch<T>::occupancy(int64_t dstate, int device, int* blocks_per_sm, int* channels_per_cta,
+cudaError_t Dispatch<T>::occupancy(int64_t dstate, bool gate, int device, int* blocks_per_sm, int* channels_per_cta,
                                    int* rows_per_col) {
   return SELSCAN_BWD_SWITCH_N(dstate, [&] {
     *channels_per_cta = Traits<T, kN>::kDc;
     *rows_per_col = Traits<T, kN>::kRowsPerCol;
-    return prepare_kernel<Traits<T, kN>, true>(device, blocks_per_sm);
+    return gate ? prepare_kernel<Traits<T, kN, true>, true>(device, blocks_per_sm)
+                : prepare_kernel<Traits<T, kN>, true>(device, blocks_per_sm);
   });
 }
 

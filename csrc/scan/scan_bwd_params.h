@@ -29,12 +29,18 @@ struct ScanBwdParams {
   const float* __restrict__ D = nullptr;        // (dim,)
   const float* __restrict__ dhT = nullptr;      // (batch, dim, N): gradient of the final state, or null
   const float* __restrict__ ckpt = nullptr;     // (batch, ckpt_count(seqlen), dim, N): the forward's states
+  // The block's gate (both or neither): dy is then the gradient of y * silu(z), and the kernel writes
+  // the gate's gradient dy * y * silu'(z) to dgate_z (y recomputed from the states; the forward keeps no
+  // y before the gate).
+  const void* __restrict__ gate_z = nullptr;  // (batch*seqlen, gate_z_stride): z in columns [0, dim)
+  int64_t gate_z_stride = 0;                  // (16-byte aligned pointer and stride)
 
   // Outputs (every element written).
   void* __restrict__ dP = nullptr;       // (batch*seqlen, dim + 2N): columns [0, dim) = dz, the gradient
                                          // of delta_pre (columns dim.. are filled from bc_partial)
   void* __restrict__ dx = nullptr;       // (batch*seqlen, dim): the scan's own part of dx,
                                          // dt * sum_n g * B + D * dy (the products add dP . W)
+  void* __restrict__ dgate_z = nullptr;  // (batch*seqlen, dim): the gate's gradient, with gate_z
   float* __restrict__ bc_partial = nullptr;  // (batch*seqlen, n_tiles, 2N): [dB | dC] per channel tile
   float* __restrict__ dA_partial = nullptr;  // (n_segments * batch, dim, N): sum of g * dt * a * h_prev
   float* __restrict__ dD_partial = nullptr;  // (n_segments * batch * kRowsPerCol, dim): sum of dy * x

@@ -283,8 +283,6 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
       T* y = static_cast<T*>(p.y) + (row_base + t0) * p.dim + it.d0;
       if (ro.col_valid) {
         const float dsk = s.Dskip[ro.el_col];
-        T* yu = static_cast<T*>(p.y_ungated);
-        if (Tr::kGate && yu != nullptr) yu += (row_base + t0) * p.dim + it.d0;
 #pragma unroll
         for (int kk = 0; kk < Tr::kT * Tr::kDc / Tr::kThreads; ++kk) {
           const int t = ro.el_row + kk * (Tr::kThreads / Tr::kDc);
@@ -292,10 +290,7 @@ __device__ __forceinline__ void scan_segment(SharedStorage<Tr>& s, const ScanPar
             float acc = dsk * to_float(r.x[t][ro.el_col]);
 #pragma unroll
             for (int gg = 0; gg < Tr::kP; ++gg) acc += s.yp[t][ro.el_col][gg];
-            if constexpr (Tr::kGate) {
-              if (yu != nullptr) yu[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
-              acc *= silu(to_float(r.z[t][ro.el_col]));
-            }
+            if constexpr (Tr::kGate) acc *= silu(to_float(r.z[t][ro.el_col]));
             y[int64_t(t) * p.dim + ro.el_col] = from_float<T>(acc);
           }
         }

@@ -29,11 +29,11 @@ cudaError_t occupancy(DType dtype, int64_t dstate, bool gate, int device, int* b
   return cudaErrorInvalidValue;
 }
 
-cudaError_t bwd_occupancy(DType dtype, int64_t dstate, int device, int* blocks, int* dc, int* rows) {
+cudaError_t bwd_occupancy(DType dtype, int64_t dstate, bool gate, int device, int* blocks, int* dc, int* rows) {
   switch (dtype) {
-    case DType::kFloat32: return scan_bwd::Dispatch<float>::occupancy(dstate, device, blocks, dc, rows);
-    case DType::kBFloat16: return scan_bwd::Dispatch<__nv_bfloat16>::occupancy(dstate, device, blocks, dc, rows);
-    case DType::kFloat16: return scan_bwd::Dispatch<__half>::occupancy(dstate, device, blocks, dc, rows);
+    case DType::kFloat32: return scan_bwd::Dispatch<float>::occupancy(dstate, gate, device, blocks, dc, rows);
+    case DType::kBFloat16: return scan_bwd::Dispatch<__nv_bfloat16>::occupancy(dstate, gate, device, blocks, dc, rows);
+    case DType::kFloat16: return scan_bwd::Dispatch<__half>::occupancy(dstate, gate, device, blocks, dc, rows);
   }
   return cudaErrorInvalidValue;
 }
@@ -75,7 +75,7 @@ void plan_split(int64_t seqlen_in, int64_t items_per_segment, int blocks_per_sm,
 
 cudaError_t scan_bwd_plan(const ScanBwdParams& p, int64_t requested_segments, int device, ScanBwdLaunchInfo* out) {
   int blocks = 0, dc = 0, rows = 0, sms = 0;
-  SELSCAN_RETURN_IF_ERROR(bwd_occupancy(p.dtype, p.dstate, device, &blocks, &dc, &rows));
+  SELSCAN_RETURN_IF_ERROR(bwd_occupancy(p.dtype, p.dstate, p.gate_z != nullptr, device, &blocks, &dc, &rows));
   SELSCAN_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Segments of whole checkpoint intervals; phase 1 (the adjoint alone) is the split's extra pass.
   const int64_t items = std::max<int64_t>(p.batch, 1) * ((p.dim + dc - 1) / dc);

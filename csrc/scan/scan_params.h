@@ -42,8 +42,6 @@ struct ScanParams {
 
   // Outputs.
   void* __restrict__ y = nullptr;               // (batch*seqlen, dim), dtype
-  void* __restrict__ y_ungated = nullptr;       // with z: (batch*seqlen, dim) scan + D * x before the gate,
-                                                // kept for the backward; null when not needed
   float* __restrict__ final_state = nullptr;    // (batch, dim, dstate), or null when not asked for
   // For the backward (common/checkpoints.h): the state entering every kCkptEvery-th token,
   // (batch, ckpt_count(seqlen), dim, dstate), or null when no backward will follow.
