@@ -150,6 +150,11 @@ def _gated_scan_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _dy_or_zeros(dy, like):
+    """The output's gradient for the backward scan kernel: zeros when only the final state's flows."""
+    return torch.zeros_like(like) if dy is None else dy
+
+
 def _gated_fake(u, A_log, return_final_state, training):
     """gated_scan_fwd's and fused_block_fwd's outputs: y, the final state and the checkpoints (empty
     along the batch unless training)."""
@@ -172,8 +177,7 @@ def _gated_scan_backward(ctx, dy, dhT, *unused):
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
     dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(
-        delta, bc, u, A_log, b_delta, D, h0, torch.zeros_like(u) if dy is None else dy, dhT, ckpt, ctx.l_segments,
-        gate_z=z)
+        delta, bc, u, A_log, b_delta, D, h0, _dy_or_zeros(dy, u), dhT, ckpt, ctx.l_segments, gate_z=z)
     return (dP[..., :Dm], dP[..., Dm:], du, dz, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 
 
@@ -214,8 +218,7 @@ def _packed_backward(ctx, dy, dhT, *unused):
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
     dP, dx, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd_packed(
-        delta, bc, x, A_log, b_delta, D, h0, torch.zeros_like(x) if dy is None else dy, dhT, ckpt, cu_seqlens,
-        gate_z=z)
+        delta, bc, x, A_log, b_delta, D, h0, _dy_or_zeros(dy, x), dhT, ckpt, cu_seqlens, gate_z=z)
     if z is None:
         dz = None
     Dm = x.shape[-1]
@@ -248,7 +251,8 @@ if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed")
 
 def _fused_block_setup(ctx, inputs, output):
     """fused_block_fwd: keep what the backward needs: in_proj's output xz (u is recomputed from it),
-    x_proj's output (made by the op or given), the checkpoints and y before the gate."""
+    x_proj's output (made by the op or given) and the checkpoints (y before the gate is recomputed by the
+    backward scan kernel)."""
     xz, conv_w, conv_b, conv_state, wx, xdbl_in, dt_w, A_log, dt_bias, D, h0, _, training, l_segments = inputs
     _, _, ckpt, xdbl_out = output
     ctx.training, ctx.l_segments = training, l_segments
@@ -260,9 +264,9 @@ def _fused_block_setup(ctx, inputs, output):
 def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_xdbl_out):
     """The fused block's backward: u recomputed by the conv kernel (bitwise the forward's), dt_proj's
     product recomputed by the library (delta_pre, rounded to the dtype as the unfused path holds it),
-    the unfused path's backward scan kernel with the gate (y before the gate recomputed there), then the products' gradients (dt_proj: d dt_low =
-    d delta_pre W, d W = d delta_pre^T dt_low; x_proj: du += d xdbl W_x, d W_x = d xdbl^T u) and the
-    conv's backward kernel."""
+    the unfused path's backward scan kernel with the gate (y before the gate recomputed there), then the
+    products' gradients (dt_proj: d dt_low = d delta_pre W, d W = d delta_pre^T dt_low; x_proj: du +=
+    d xdbl W_x, d W_x = d xdbl^T u) and the conv's backward kernel."""
     if not ctx.training:
         raise RuntimeError("selscan_fused: fused_block_fwd was called with training=False and keeps nothing for "
                            "a backward; call it with training=True (selscan_fused.mamba_block does)")
@@ -276,8 +280,7 @@ def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_xdbl_out):
         u, _ = torch.ops.selscan_fused.causal_conv1d_fwd(xi, conv_w, conv_b, conv_state, True, False)
         delta = torch.nn.functional.linear(dt_low, dt_w)
         dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(
-            delta, bc, u, A_log, dt_bias, D, h0, torch.zeros_like(u) if dy is None else dy, dhT, ckpt,
-            ctx.l_segments, gate_z=z)
+            delta, bc, u, A_log, dt_bias, D, h0, _dy_or_zeros(dy, u), dhT, ckpt, ctx.l_segments, gate_z=z)
         d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
         d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
         d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)

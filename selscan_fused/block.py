@@ -9,16 +9,18 @@ Mamba-1 block"). Paths (`impl=`):
                  this project's causal-conv kernel with the SiLU fused (csrc/conv/), and the layer's scan
                  kernel with the block's gate (csrc/scan/: delta_pre from dt_proj's product, [B | C] read
                  in place from x_proj's output, y = (scan + D u) * silu(z) written by the kernel);
-                 backward: the layer's backward scan kernel, the conv's backward kernel, the products
+                 backward: the layer's backward scan kernel with the gate's derivative inside it, the
+                 conv's backward kernel, the products
     "fused"      (sm_90: H100/H200) in_proj and out_proj by cuBLAS; between them two kernels
                  (torch.ops.selscan_fused.fused_block_fwd): block_xproj (the conv + SiLU per token tile in
                  shared memory, x_proj on the tensor cores: [dt_low | B | C]) and the layer's fused kernel
                  with the block's policies: the conv recomputed for its own channels (u in shared memory
                  only), delta from the low rank (dt_proj on the tensor cores inside the scan's launch) and
                  the gated output (y * silu(z) stored by the kernel). No (batch, L, d_inner) tensor of u,
-                 delta or y before the gate in device memory (training keeps y before the gate for the
-                 backward); backward: u recomputed by the conv kernel, dt_proj's product recomputed, then
-                 the unfused path's gate and backward scan kernels, x_proj's products, the conv's backward
+                 delta or y before the gate in device memory, in training either; backward: u recomputed
+                 by the conv kernel, dt_proj's product recomputed, then the unfused path's backward scan
+                 kernel with the gate (y before the gate recomputed there), x_proj's products, the conv's
+                 backward
     "auto"       the unfused path where it supports the inputs (CUDA), the reference otherwise ('fused'
                  is chosen by measurement, once measured: docs/perf/block.md)
 """
@@ -283,7 +285,7 @@ def mamba_block(
             # The conv, x_proj, dt_proj, the scan, D and the gate in two kernels from in_proj's output:
             # block_xproj (conv + SiLU per token tile, x_proj: [dt_low | B | C]) and the fused kernel
             # (the conv again for its channels, dt_proj on the tensor cores, the scan, the gate); neither
-            # u, delta nor y before the gate reaches device memory outside training.
+            # u, delta nor y before the gate reaches device memory.
             cs = _as(conv_state, xdt)  # the unfused path's rounding of a float32 conv_state
             cw = _as(conv_weight, f32).reshape(d_inner, W)
             A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
@@ -308,7 +310,7 @@ def mamba_block(
         xdbl = linear(u, _as(x_proj_weight, xdt))                                    # (batch, L, R + 2N)
         delta = linear(xdbl[..., :R], _as(dt_proj_weight, xdt))                      # delta_pre, no bias
         A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
-        # Whether a backward can follow (the scan then keeps its checkpoints and y before the gate).
+        # Whether a backward can follow (the scan then keeps its checkpoints).
         train = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (delta, xdbl, u, z, A_log, dt_bias, D, h0, dt_proj_weight))
         if packed:  # the scan kernel with one work item per (sequence, channel tile)

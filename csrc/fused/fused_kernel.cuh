@@ -85,8 +85,9 @@ __device__ __forceinline__ float exp2_poly(float x) {
 }
 
 // The scan's store of kCh adjacent channels of one token (row = sequence * L + token): the layer's y,
-// or, for the block (p.z given), y * silu(z) with zv the token's z, loaded a token group ahead (GateRows). One uniform branch per store: the layer's
-// loop is unchanged, the block shares its instantiations.
+// or, for the block (p.z given), y * silu(z) with zv the token's z, loaded a token group ahead
+// (GateRows). One uniform branch per store: the layer's loop is unchanged, the block shares its
+// instantiations.
 template <int kCh, class EO>
 __device__ __forceinline__ void store_out(const FusedParams& p, EO* yp, int64_t row, int64_t d, float (&out)[kCh],
                                           const float (&zv)[kCh]) {
