@@ -9,7 +9,7 @@ import selscan_fused
 from selscan_fused import ScanConfig
 from selscan_fused.reference import selective_scan_ref
 from conftest import (DTYPES, TOLERANCE, fresh_seed, make_inputs, matmul_precision, rel_l2, requires_cuda,
-                      requires_extension)
+                      requires_extension, short_sum_bound)
 
 pytestmark = [requires_cuda, requires_extension]
 
@@ -98,7 +98,9 @@ def test_gradients_match_float64(shape, mode, impl, poisoned_outputs):
     with matmul_precision(mode):
         inp, dy, dhT = make_case(batch, L, Dm, N, mode, with_h0, with_dhT)
         got, _ = run_grads(inp, impl, dy, dhT)
-    check_grads(got, float64_grads(inp, dy, dhT), mode, f"{impl} {mode}")
+    short = short_sum_bound(TOLERANCE[mode], batch * L)  # gradients summed over few tokens (conftest)
+    check_grads(got, float64_grads(inp, dy, dhT), mode, f"{impl} {mode}",
+                bounds={k: short for k in ("A_log", "W_delta", "b_delta")})
 
 
 @pytest.mark.parametrize("l_segments", [1, 2, 5])

@@ -11,7 +11,7 @@ import selscan_fused
 from selscan_fused import Mamba, mamba_block
 from selscan_fused.block_reference import mamba_block_ref, mamba_step_ref
 from conftest import (DTYPES, TOLERANCE, fresh_seed, matmul_precision, rel_l2, requires_cuda,
-                      requires_extension, requires_hopper)
+                      requires_extension, requires_hopper, short_sum_bound)
 
 try:
     import transformers
@@ -221,8 +221,33 @@ SHAPES = [
 @pytest.mark.parametrize("mode", list(DTYPES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
 def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_outputs):
+    errs = block_errors_against_float64(impl, mode, shape)
+    if errs is None:  # outside the path's envelope; the error was checked
+        return
+    bad = {k: v for k, v in errs.items() if not v < block_bound(k, mode, shape)}
+    assert not bad, f"over the {mode} bound {BLOCK_TOLERANCE[mode]:.0e}: {bad}"
+
+
+# The block's gradients that sum over tokens with cancelling terms (conftest.short_sum_bound).
+SHORT_SUMS = ("dA_log", "ddt_proj.weight", "ddt_proj.bias")
+
+
+def block_bound(quantity, mode, shape):
+    """The bound of one quantity of block_errors_against_float64 for a case of `shape`."""
+    tol = BLOCK_TOLERANCE[mode]
+    return short_sum_bound(tol, shape[0] * shape[1]) if quantity in SHORT_SUMS else tol
+
+
+def block_errors_against_float64(impl, mode, shape, seed=None):
+    """The block on `impl` in `mode` against its float64 evaluation, forward and backward with random
+    output gradients: {quantity: relative L2 error} (None where `shape` is outside the path's envelope,
+    after checking the error that says so). `seed` None: a fresh one (printed); scripts/diag_block_tail.py
+    samples the errors' distribution over many seeds with it."""
     batch, L, d_model, N, d_conv, bias, with_states, expand = shape
-    fresh_seed()
+    if seed is None:
+        fresh_seed()
+    else:
+        torch.manual_seed(seed)
     dtype = DTYPES[mode]
     base = cuda_block(d_model, N, d_conv, bias, impl, expand)
     block = rounded(base, dtype)
@@ -231,7 +256,7 @@ def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_o
         with pytest.raises(ValueError, match=f"d_inner = {block.d_inner} is not supported by impl='fused'.*"
                                              "impl='unfused'"):
             block(x)
-        return
+        return None
     di = block.d_inner
     h0 = torch.randn(batch, di, N, device="cuda") * 0.5 if with_states else None
     cs = torch.randn(batch, di, d_conv - 1, device="cuda").to(dtype) if with_states else None
@@ -261,14 +286,13 @@ def test_cuda_values_and_gradients_against_float64(impl, mode, shape, poisoned_o
     out64, h64, c64, g64 = run(ref, x.double(), h0, cs, torch.float64)
     assert out.dtype == dtype and hT.dtype == torch.float32 and cT.dtype == dtype
     assert torch.isfinite(out).all() and torch.isfinite(hT).all()
-    tol = BLOCK_TOLERANCE[mode]
     errs = {"out": rel_l2(out, out64), "final state": rel_l2(hT, h64), "conv state": rel_l2(cT, c64)}
     errs.update({f"d{k}": rel_l2(v, g64[k]) for k, v in grads.items()})
-    print(mode, " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+    if seed is None:
+        print(mode, " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
     for k, v in grads.items():
         assert torch.isfinite(v).all(), f"d{k} has non-finite elements"
-    bad = {k: v for k, v in errs.items() if not v < tol}
-    assert not bad, f"over the {mode} bound {tol:.0e}: {bad}"
+    return errs
 
 
 @requires_cuda
