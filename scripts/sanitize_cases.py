@@ -98,7 +98,7 @@ def _block_case(impl, dt, batch, L, Dm, N, W, seed):
     with torch.no_grad():
         for p in block.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    w = [t.detach() for t in block.weights()]
+    w = [None if t is None else t.detach() for t in block.weights()]
     low = {0, 1, 4, 5, 9, 10}  # the products' weights and biases: in the dtype, as the CUDA paths use them
     w = [None if t is None else (t.to(dt) if i in low else t) for i, t in enumerate(w)]
     x = torch.randn(batch, L, Dm, device="cuda").to(dt)
@@ -241,6 +241,7 @@ def main():
     third.add_argument("--rest", action="store_true", help="the two thirds of the grid that --quick leaves out")
     ap.add_argument("--shard", default="0/1", help="K/M: only the runs whose index modulo M is K")
     ap.add_argument("--initcheck", action="store_true", help="the kernels through the ops without cuBLAS inputs")
+    ap.add_argument("--only-block", action="store_true", help="the block's and the packed runs alone")
     ap.add_argument("--with", dest="with_key", default="",
                     help="only the grid entries whose config sets this key (e.g. fused_backward)")
     args = ap.parse_args()
@@ -249,7 +250,7 @@ def main():
         sys.exit("--initcheck needs the fused kernel (an sm_90 GPU and the fused extension) for its checkpoints")
     impls = ["ops"] if args.initcheck else ["unfused"] + (["fused"] if hopper else [])
     runs, worst = 0, 0.0
-    for impl, mode, dt, prec, batch, L, Dm, N, cfg, seed, with_h0 in _runs(args, impls):
+    for impl, mode, dt, prec, batch, L, Dm, N, cfg, seed, with_h0 in ([] if args.only_block else _runs(args, impls)):
         torch.manual_seed(seed)
         torch.set_float32_matmul_precision(prec)
         inp = make_inputs(batch, L, Dm, N, dtype=dt, device="cuda", with_h0=with_h0)
