@@ -69,6 +69,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs(what): skip unless the machine has it (tests/conftest.py)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """SELSCAN_TEST_SHARD=K/M keeps the collected tests whose index modulo M is K (the collection order
+    is fixed, so the M shards of one tree make the whole suite once): the GPU suite in parts, each within
+    a machine's per-command time limit."""
+    shard = os.environ.get("SELSCAN_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        k, m = (int(v) for v in shard.split("/"))
+        if not 0 <= k < m:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"SELSCAN_TEST_SHARD={shard!r}: expected K/M with 0 <= K < M") from None
+    keep = [it for i, it in enumerate(items) if i % m == k]
+    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % m != k])
+    items[:] = keep
+
+
 def pytest_runtest_setup(item):
     needs = {m.args[0] for m in item.iter_markers(name="needs")}
     if not needs:

@@ -146,3 +146,25 @@ def test_build_progress_prints_one_line_per_translation_unit():
         f"  {ROOT}/csrc/fused/fused_bf16.cu(3): error: identifier \"x\" is undefined",
         "Successfully installed selscan_fused-0.1.0",
     ], out.stdout
+
+
+def test_test_shards_make_the_suite_once():
+    """SELSCAN_TEST_SHARD=K/M (tests/conftest.py): the M shards of a test file are disjoint and together
+    the whole file; a malformed value is a usage error that names the variable."""
+    def collect(shard):
+        env = dict(os.environ)
+        env.pop("SELSCAN_TEST_SHARD", None)
+        if shard is not None:
+            env["SELSCAN_TEST_SHARD"] = shard
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-p", "no:xdist", "tests/test_api_errors.py"], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        return r.returncode, [ln for ln in r.stdout.splitlines() if "::" in ln], r.stdout + r.stderr
+
+    rc, whole, _ = collect(None)
+    assert rc == 0 and len(whole) > 3
+    parts = [collect(f"{k}/3")[1] for k in range(3)]
+    assert all(parts) and sum(len(p) for p in parts) == len(whole)
+    assert sorted(t for p in parts for t in p) == sorted(whole)
+    rc, _, out = collect("3/3")
+    assert rc != 0 and "SELSCAN_TEST_SHARD='3/3'" in out
