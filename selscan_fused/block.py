@@ -46,7 +46,9 @@ from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS", "conv_tail"]
 
 BLOCK_D_CONVS = (2, 3, 4)  # conv widths the CUDA conv kernel is compiled for
-FUSED_BLOCK_MAX_XPROJ = 384  # dt_rank + 2 d_state: x_proj's outputs in the fused block's first kernel
+# dt_rank + 2 d_state: x_proj's outputs in the fused block's first kernel, at most kBlockXprojMaxOut
+# (csrc/fused/fused_api.h; tests/test_build.py checks that the two agree)
+FUSED_BLOCK_MAX_XPROJ = 384
 
 
 def _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight,

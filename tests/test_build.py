@@ -168,3 +168,13 @@ def test_test_shards_make_the_suite_once():
     assert sorted(t for p in parts for t in p) == sorted(whole)
     rc, _, out = collect("3/3")
     assert rc != 0 and "SELSCAN_TEST_SHARD='3/3'" in out
+
+
+def test_fused_block_limit_is_the_kernels():
+    """block.py's limit on x_proj's outputs for impl='fused' (checked in Python, before any launch) is
+    the one the fused block's first kernel is built for (kBlockXprojMaxOut in csrc/fused/fused_api.h)."""
+    from selscan_fused import block
+    header = (ROOT / "csrc" / "fused" / "fused_api.h").read_text()
+    m = re.search(r"constexpr\s+int64_t\s+kBlockXprojMaxOut\s*=\s*(\d+)\s*;", header)
+    assert m, "csrc/fused/fused_api.h no longer defines kBlockXprojMaxOut"
+    assert block.FUSED_BLOCK_MAX_XPROJ == int(m.group(1)), (block.FUSED_BLOCK_MAX_XPROJ, m.group(1))
