@@ -69,10 +69,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs(what): skip unless the machine has it (tests/conftest.py)")
 
 
+# Test files whose GPU tests take the longest (training runs, whole models, long packed batches,
+# torch.compile), collected first: pytest-xdist hands tests out in collection order, so a parallel run
+# ends on short tests instead of starting its longest ones last.
+SLOW_FIRST = ("test_paper_tasks.py", "test_model.py", "test_varlen.py", "test_compile.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """SELSCAN_TEST_SHARD=K/M keeps the collected tests whose index modulo M is K (the collection order
+    """The files in SLOW_FIRST go first (each file's tests in their own order). Then
+    SELSCAN_TEST_SHARD=K/M keeps the collected tests whose index modulo M is K (the collection order
     is fixed, so the M shards of one tree make the whole suite once): the GPU suite in parts, each within
     a machine's per-command time limit."""
+    def rank(item):
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+    items.sort(key=rank)  # stable
     shard = os.environ.get("SELSCAN_TEST_SHARD")
     if not shard:
         return

@@ -178,3 +178,24 @@ def test_fused_block_limit_is_the_kernels():
     m = re.search(r"constexpr\s+int64_t\s+kBlockXprojMaxOut\s*=\s*(\d+)\s*;", header)
     assert m, "csrc/fused/fused_api.h no longer defines kBlockXprojMaxOut"
     assert block.FUSED_BLOCK_MAX_XPROJ == int(m.group(1)), (block.FUSED_BLOCK_MAX_XPROJ, m.group(1))
+
+
+def test_slowest_test_files_are_collected_first():
+    """tests/conftest.py's SLOW_FIRST files come first in the collection, whatever order the command
+    line names them in, each file's tests in their own order (pytest-xdist hands tests out in that order)."""
+    import conftest
+    files = ["tests/test_api_errors.py", "tests/test_varlen.py", "tests/test_paper_tasks.py"]
+    env = dict(os.environ)
+    env.pop("SELSCAN_TEST_SHARD", None)
+    def collect(args):
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-p", "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+    order = collect(files)
+    alone = {f: collect([f]) for f in files}
+    assert all(alone.values())
+    expected = sorted(files, key=lambda f: conftest.SLOW_FIRST.index(Path(f).name)
+                      if Path(f).name in conftest.SLOW_FIRST else len(conftest.SLOW_FIRST))
+    assert expected[0] == "tests/test_paper_tasks.py"
+    assert order == [t for f in expected for t in alone[f]]
