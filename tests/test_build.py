@@ -148,18 +148,23 @@ def test_build_progress_prints_one_line_per_translation_unit():
     ], out.stdout
 
 
+def _collect(args, shard=None):
+    """`pytest --collect-only` of ARGS in a fresh process (SELSCAN_TEST_SHARD=SHARD where given):
+    its return code, the collected test ids in order, and its output."""
+    env = dict(os.environ)
+    env.pop("SELSCAN_TEST_SHARD", None)
+    if shard is not None:
+        env["SELSCAN_TEST_SHARD"] = shard
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "-p", "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    return r.returncode, [ln for ln in r.stdout.splitlines() if "::" in ln], r.stdout + r.stderr
+
+
 def test_test_shards_make_the_suite_once():
     """SELSCAN_TEST_SHARD=K/M (tests/conftest.py): the M shards of a test file are disjoint and together
     the whole file; a malformed value is a usage error that names the variable."""
     def collect(shard):
-        env = dict(os.environ)
-        env.pop("SELSCAN_TEST_SHARD", None)
-        if shard is not None:
-            env["SELSCAN_TEST_SHARD"] = shard
-        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                            "-p", "no:xdist", "tests/test_api_errors.py"], cwd=ROOT, env=env,
-                           capture_output=True, text=True)
-        return r.returncode, [ln for ln in r.stdout.splitlines() if "::" in ln], r.stdout + r.stderr
+        return _collect(["tests/test_api_errors.py"], shard)
 
     rc, whole, _ = collect(None)
     assert rc == 0 and len(whole) > 3
@@ -185,17 +190,13 @@ def test_slowest_test_files_are_collected_first():
     line names them in, each file's tests in their own order (pytest-xdist hands tests out in that order)."""
     import conftest
     files = ["tests/test_api_errors.py", "tests/test_varlen.py", "tests/test_paper_tasks.py"]
-    env = dict(os.environ)
-    env.pop("SELSCAN_TEST_SHARD", None)
     def collect(args):
-        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                            "-p", "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+        rc, tests, out = _collect(args)
+        assert rc == 0, out
+        return tests
     order = collect(files)
     alone = {f: collect([f]) for f in files}
     assert all(alone.values())
-    expected = sorted(files, key=lambda f: conftest.SLOW_FIRST.index(Path(f).name)
-                      if Path(f).name in conftest.SLOW_FIRST else len(conftest.SLOW_FIRST))
+    expected = sorted(files, key=lambda f: conftest.slow_first_rank(Path(f).name))
     assert expected[0] == "tests/test_paper_tasks.py"
     assert order == [t for f in expected for t in alone[f]]
