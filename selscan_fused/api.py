@@ -106,6 +106,13 @@ class ScanConfig:
 DEFAULT_CONFIG = ScanConfig()
 
 
+def check_config(config) -> None:
+    """config is a ScanConfig or None (a clear error before anything runs, on every path)."""
+    if config is not None and not isinstance(config, ScanConfig):
+        raise TypeError(f"selscan_fused: config must be a selscan_fused.ScanConfig or None, got "
+                        f"{type(config).__name__}")
+
+
 def _shape_error(name: str, t: torch.Tensor, expected: tuple, why: str) -> ValueError:
     exp = "(" + ", ".join(str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
     return ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {exp} ({why})")
@@ -371,6 +378,7 @@ def selective_scan(
     """
     if impl not in IMPLS:
         raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
+    check_config(config)
     if cu_seqlens is None:
         _check_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0)
     else:

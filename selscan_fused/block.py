@@ -27,6 +27,7 @@ Mamba-1 block"). Paths (`impl=`):
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -36,8 +37,8 @@ from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA
 from ._extension import extension_available, require_extension
 from ._linear import linear
 from ._extension import fused_extension_available
-from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS,
-                  UNFUSED_DIM_MULTIPLE, ScanConfig, _sm90, cuda_input_reason, unfused_dstate_reason)
+from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS, UNFUSED_DIM_MULTIPLE,
+                  ScanConfig, _sm90, check_config, cuda_input_reason, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d, causal_conv1d_packed
 from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
@@ -234,6 +235,7 @@ def mamba_block(
     never crosses a sequence start; v0.3.0 development) and 'reference'; 'fused' is an error; 'auto' takes
     'unfused' for CUDA tensors it supports (the reference, with a warning, for the rest).
     """
+    check_config(config)
     packed = cu_seqlens is not None
     d_model, d_inner, N, R, W = _names_shapes(hidden_states, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
                                               x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D,
@@ -355,6 +357,18 @@ class Mamba(nn.Module):
             raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
         if dt_init not in ("random", "constant"):
             raise ValueError(f"selscan_fused: dt_init must be 'random' or 'constant', got {dt_init!r}")
+        check_config(config)
+        for name, v in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
+                        ("dt_rank", 1 if dt_rank == "auto" else dt_rank)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"selscan_fused: {name} must be an int >= 1" + (" or 'auto'" if name == "dt_rank"
+                                                                               else "") + f", got {v!r}")
+        if isinstance(expand, bool) or not isinstance(expand, numbers.Real) or int(expand * d_model) < 1:
+            raise ValueError(f"selscan_fused: expand must be a number with int(expand * d_model) >= 1 (d_inner), got "
+                             f"{expand!r}")
+        if not (isinstance(dt_min, numbers.Real) and isinstance(dt_max, numbers.Real) and 0 < dt_min <= dt_max):
+            raise ValueError(f"selscan_fused: dt_min and dt_max must be numbers with 0 < dt_min <= dt_max, got "
+                             f"dt_min = {dt_min!r}, dt_max = {dt_max!r}")
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
         self.d_inner = int(expand * d_model)
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)

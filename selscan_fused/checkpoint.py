@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from .block import Mamba
 from .model import EMBEDDING_KEY, HF_EMBEDDING_KEY, LM_HEAD_KEY, MambaLMConfig, _HF_SSM
 
 LAYOUT_NAMES = {"mamba_ssm": "mamba-ssm layout", "hf": "Hugging Face layout"}
@@ -33,17 +34,30 @@ def read_config(path: str):
         raise FileNotFoundError(f"selscan_fused: {path} has no config.json (a checkpoint directory holds config.json "
                                 f"and pytorch_model.bin or model.safetensors; found: {sorted(os.listdir(path))})")
     raw = _read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"selscan_fused: {cfg_path} must hold a JSON object (the model's settings), got a "
+                         f"{type(raw).__name__}")
     model_type = raw.get("model_type")
     if "d_model" in raw and "n_layer" in raw:
-        return _from_mamba_ssm(raw, cfg_path), "mamba_ssm", raw
+        return _check_block(_from_mamba_ssm(raw, cfg_path), cfg_path), "mamba_ssm", raw
     if model_type == "mamba" or ("hidden_size" in raw and "state_size" in raw):
-        return _from_hf(raw, cfg_path), "hf", raw
+        return _check_block(_from_hf(raw, cfg_path), cfg_path), "hf", raw
     if model_type is not None:
         raise ValueError(f"selscan_fused: {cfg_path} describes a {model_type!r} model; MambaLM loads Mamba-1 language "
                          "models (transformers' model_type 'mamba', or mamba-ssm's config with d_model and n_layer)")
     raise ValueError(f"selscan_fused: {cfg_path} is neither mamba-ssm's config (needs d_model, n_layer, vocab_size) "
                      "nor Hugging Face's MambaConfig (needs hidden_size, num_hidden_layers, vocab_size, state_size); "
                      f"its keys: {sorted(raw)}")
+
+
+def _check_block(cfg: MambaLMConfig, cfg_path: str) -> MambaLMConfig:
+    """The block's settings checked by building one block on the meta device (no memory, no weights read),
+    its errors naming the file."""
+    try:
+        Mamba(cfg.d_model, **cfg.block_kwargs(), device="meta")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"selscan_fused: {cfg_path}: {str(e).removeprefix('selscan_fused: ')}") from None
+    return cfg
 
 
 def _need(raw: dict, keys, cfg_path: str, what: str):
@@ -55,6 +69,7 @@ def _need(raw: dict, keys, cfg_path: str, what: str):
 def _from_mamba_ssm(raw: dict, cfg_path: str) -> MambaLMConfig:
     what = LAYOUT_NAMES["mamba_ssm"]
     _need(raw, ("d_model", "n_layer", "vocab_size"), cfg_path, what)
+    _check_sizes(raw, ("d_model", "n_layer", "vocab_size"), cfg_path)
     if raw.get("d_intermediate", 0):
         raise ValueError(f"selscan_fused: {cfg_path} has d_intermediate = {raw['d_intermediate']} (an MLP after "
                          "every mixer); MambaLM builds mixer-only blocks (d_intermediate = 0)")
@@ -66,15 +81,27 @@ def _from_mamba_ssm(raw: dict, cfg_path: str) -> MambaLMConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         warnings.warn(f"selscan_fused: {cfg_path}: ignoring keys MambaLM does not know: {unknown}")
+    if not isinstance(raw.get("ssm_cfg") or {}, dict):
+        raise ValueError(f"selscan_fused: {cfg_path} has ssm_cfg = {raw['ssm_cfg']!r}; it must be a JSON object of the "
+                         "block's settings (d_state, d_conv, expand, ...)")
     cfg = MambaLMConfig(**{k: v for k, v in raw.items() if k in fields})
     cfg.ssm_cfg = dict(cfg.ssm_cfg or {})
     cfg.block_kwargs()  # checks ssm_cfg now, naming the file
     return cfg
 
 
+def _check_sizes(raw: dict, keys, cfg_path: str):
+    """The model's sizes in the file are integers: the depth >= 0, the others >= 1."""
+    for k in keys:
+        v, least = raw[k], 0 if k in ("n_layer", "num_hidden_layers") else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"selscan_fused: {cfg_path} has {k} = {v!r}; it must be an integer >= {least}")
+
+
 def _from_hf(raw: dict, cfg_path: str) -> MambaLMConfig:
     what = LAYOUT_NAMES["hf"] + ", transformers' MambaConfig"
     _need(raw, ("hidden_size", "num_hidden_layers", "vocab_size"), cfg_path, what)
+    _check_sizes(raw, ("hidden_size", "num_hidden_layers", "vocab_size"), cfg_path)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"selscan_fused: {cfg_path} has hidden_act = {act!r}; the block's activation is SiLU")

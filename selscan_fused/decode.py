@@ -125,6 +125,9 @@ def _check(hidden_states, conv_state, ssm_state, in_proj_weight, conv_weight, x_
                              f"d_model = {d_model} from hidden_states; d_inner = {d_inner}, d_state = {N} from A_log; "
                              f"d_conv = {W} from conv_weight; dt_rank = {R} from dt_proj_weight)")
     cd = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    if not conv_state.is_floating_point():
+        raise TypeError(f"selscan_fused: conv_state must be a floating-point tensor (the conv's last d_conv - 1 "
+                        f"inputs, updated in place), got {conv_state.dtype}")
     if ssm_state.dtype != cd:
         raise TypeError(f"selscan_fused: ssm_state must be {cd} for {hidden_states.dtype} hidden_states (it is "
                         f"updated in place), got {ssm_state.dtype}")

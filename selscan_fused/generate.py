@@ -70,6 +70,19 @@ def main(argv=None) -> int:
     if (args.prompt is None) == (args.ids is None):
         print("error: give exactly one of --prompt TEXT or --ids 1,2,3", file=err)
         return 2
+    if not os.path.isdir(args.model):
+        print(f"error: --model {args.model!r} is not a directory (a checkpoint directory: config.json and the "
+              "weights)", file=err)
+        return 2
+    if args.max_new_tokens < 0:
+        print(f"error: --max-new-tokens must be >= 0, got {args.max_new_tokens}", file=err)
+        return 2
+    if args.temperature < 0:
+        print(f"error: --temperature must be >= 0 (0: greedy), got {args.temperature}", file=err)
+        return 2
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        print(f"error: --top-k must be >= 0 and --top-p in (0, 1], got {args.top_k} and {args.top_p}", file=err)
+        return 2
     tokenizer, why = _load_tokenizer(args.model)
     if args.ids is not None:
         try:
@@ -93,7 +106,11 @@ def main(argv=None) -> int:
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = MambaLM.from_pretrained(args.model, device=device, dtype=dtype, impl=args.impl).eval()
+    try:
+        model = MambaLM.from_pretrained(args.model, device=device, dtype=dtype, impl=args.impl).eval()
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        print(f"error: could not load {args.model}: {e}", file=err)
+        return 1
     model.decode_impl = args.decode_impl
     if args.decode_impl == "kernel":
         from .decode import decode_kernel_reason
@@ -113,6 +130,14 @@ def main(argv=None) -> int:
     generator = None
     if args.temperature > 0 and args.seed is not None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
+    try:  # the arguments are checked here, before anything is printed
+        tokens = stream_generate(model, torch.tensor([prompt_ids]), args.max_new_tokens,
+                                 do_sample=args.temperature > 0, temperature=args.temperature or 1.0,
+                                 top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
+                                 cuda_graph=not args.no_cuda_graph, generator=generator)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=err)
+        return 2
     as_text = tokenizer is not None and not args.print_ids
     out = sys.stdout
     # Text: the whole sequence is decoded each time and what is new printed (tokens can end inside a
@@ -121,10 +146,7 @@ def main(argv=None) -> int:
     out.write(shown)
     out.flush()
     seq = list(prompt_ids)
-    for tok in stream_generate(model, torch.tensor([prompt_ids]), args.max_new_tokens,
-                               do_sample=args.temperature > 0, temperature=args.temperature or 1.0,
-                               top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-                               cuda_graph=not args.no_cuda_graph, generator=generator):
+    for tok in tokens:
         t = int(tok[0])
         seq.append(t)
         if as_text:

@@ -19,7 +19,8 @@ least one), then softmax and torch.multinomial; greedy takes the argmax (the fir
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -78,8 +79,8 @@ def prompt_batch(input_ids, device, ragged: bool = False):
                              f"{tuple(input_ids.shape)}" + (" (use input_ids[None] for one prompt)"
                                                             if input_ids.dim() == 1 else ""))
         ids = input_ids
-    elif isinstance(input_ids, Sequence) and input_ids and all(isinstance(p, (Sequence, torch.Tensor))
-                                                                 for p in input_ids):
+    elif (isinstance(input_ids, Sequence) and not isinstance(input_ids, str) and input_ids
+          and all(_is_prompt(p) for p in input_ids)):
         lengths = [len(p) for p in input_ids]
         if len(set(lengths)) != 1:
             if not ragged:
@@ -91,15 +92,15 @@ def prompt_batch(input_ids, device, ragged: bool = False):
                 raise ValueError(f"selscan_fused: generate needs prompts of at least one token, got lengths {lengths}")
             out = []
             for p in input_ids:
-                t = torch.as_tensor(p if isinstance(p, torch.Tensor) else list(map(int, p)))
+                t = p if isinstance(p, torch.Tensor) else torch.as_tensor(_token_ids(p))
                 if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
                     raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {t.dtype}")
                 out.append(t.to(device=device, dtype=torch.long))
             return out
-        ids = torch.as_tensor([list(map(int, p)) for p in input_ids], dtype=torch.long)
+        ids = torch.as_tensor([_token_ids(p) for p in input_ids], dtype=torch.long)
     else:
-        raise TypeError("selscan_fused: input_ids must be a (batch, L) LongTensor or a list of equal-length lists of "
-                        f"token ids, got {type(input_ids).__name__}")
+        raise TypeError("selscan_fused: input_ids must be a (batch, L) LongTensor or a list of prompts (each a list "
+                        f"of token ids or a 1-D tensor), got {type(input_ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -108,16 +109,65 @@ def prompt_batch(input_ids, device, ragged: bool = False):
     return ids.to(device=device, dtype=torch.long)
 
 
+def _is_prompt(p) -> bool:
+    """One prompt: a sequence of token ids (not a string) or a 1-D tensor."""
+    if isinstance(p, torch.Tensor):
+        return p.dim() == 1
+    return isinstance(p, Sequence) and not isinstance(p, str)
+
+
+def _token_ids(p) -> list:
+    """A prompt's token ids as ints; anything but an integer (a float, a bool, a string) is an error, never
+    truncated."""
+    if isinstance(p, torch.Tensor):
+        if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+            raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {p.dtype}")
+        return p.tolist()
+    for t in p:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {t!r} ({type(t).__name__})")
+    return [int(t) for t in p]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _check_sampling(do_sample, temperature, top_k, top_p):
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"selscan_fused: do_sample must be True or False, got {do_sample!r}")
     if not do_sample:
         return
-    if not temperature > 0:
-        raise ValueError(f"selscan_fused: temperature must be > 0 for sampling, got {temperature} "
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"selscan_fused: temperature must be > 0 for sampling (a number), got {temperature!r} "
                          "(do_sample=False decodes greedily)")
-    if not isinstance(top_k, int) or top_k < 0:
+    if not _is_int(top_k) or top_k < 0:
         raise ValueError(f"selscan_fused: top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"selscan_fused: top_p must be in (0, 1] (1 = off), got {top_p}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"selscan_fused: top_p must be in (0, 1] (a number; 1 = off), got {top_p!r}")
+
+
+def eos_ids(eos_token_id, rows: int) -> list:
+    """eos_token_id (an int, a 0-d or 1-D integer tensor, or a sequence of ints) as a list of ints, each in the
+    vocabulary [0, rows)."""
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dim() > 1 or eos_token_id.is_floating_point() or eos_token_id.dtype == torch.bool:
+            raise TypeError(f"selscan_fused: eos_token_id must be an integer tensor of at most one dimension, got "
+                            f"{eos_token_id.dtype} {tuple(eos_token_id.shape)}")
+        ids = eos_token_id.reshape(-1).tolist()
+    elif _is_int(eos_token_id):
+        ids = [int(eos_token_id)]
+    elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, str):
+        ids = list(eos_token_id)
+        if not all(_is_int(t) for t in ids):
+            raise TypeError(f"selscan_fused: eos_token_id must hold integer token ids, got {eos_token_id!r}")
+        ids = [int(t) for t in ids]
+    else:
+        raise TypeError(f"selscan_fused: eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    bad = [t for t in ids if not 0 <= t < rows]
+    if bad:
+        raise ValueError(f"selscan_fused: eos_token_id {bad[0]} is not in the vocabulary [0, {rows})")
+    return ids
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -157,7 +207,7 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
     """An iterator over the new tokens, each (batch,) as it is made; arguments as generate's (checked
     here, before the first token)."""
     _check_sampling(do_sample, temperature, top_k, top_p)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"selscan_fused: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     device = model.backbone.embedding.weight.device
     ids = prompt_batch(input_ids, device, ragged=True)
@@ -169,9 +219,11 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
                          f"{lo if lo < 0 else hi}")
     eos, fill = None, None
     if eos_token_id is not None:
-        eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos_list = eos_ids(eos_token_id, rows)
         if eos_list:
             eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+            if pad_token_id is not None and not _is_int(pad_token_id):
+                raise TypeError(f"selscan_fused: pad_token_id must be an int, got {pad_token_id!r}")
             fill = eos_list[0] if pad_token_id is None else int(pad_token_id)
             if not 0 <= fill < rows:  # finished sequences are fed this token
                 what = "pad_token_id" if pad_token_id is not None else "the first eos_token_id"

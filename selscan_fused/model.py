@@ -61,6 +61,24 @@ HF_EMBEDDING_KEY = "backbone.embeddings.weight"
 LM_HEAD_KEY = "lm_head.weight"
 
 
+def _check_ids(input_ids, shape: str, rows: int) -> None:
+    """input_ids: an integer tensor of the given shape ('(batch, L)': 2-D, else 1-D); on the CPU, outside
+    torch.compile, its values are checked against the embedding's rows too (on CUDA that would be a host
+    synchronisation, under torch.compile a graph break)."""
+    dims = 2 if shape == "(batch, L)" else 1
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != dims:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"selscan_fused: input_ids must be a {shape} tensor of token ids, got {got}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"selscan_fused: input_ids must be an int64 or int32 tensor of token ids, got "
+                        f"{input_ids.dtype}")
+    if input_ids.device.type == "cpu" and input_ids.numel() > 0 and not torch.compiler.is_compiling():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"selscan_fused: input_ids holds token ids outside the vocabulary [0, {rows}): "
+                             f"{lo if lo < 0 else hi}")
+
+
 @dataclass
 class MambaLMConfig:
     """The model's sizes and switches, with mamba-ssm's `MambaConfig` names.
@@ -350,13 +368,16 @@ class MambaLM(nn.Module):
                              "the rows cu_seqlens[1:] - 1 of the logits")
         if impl is not None and impl not in IMPLS:
             raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"selscan_fused: input_ids must be a (batch, L) tensor of token ids, got {got}")
+        _check_ids(input_ids, "(batch, L)", self.backbone.embedding.num_embeddings)
+        if isinstance(num_last_tokens, bool) or not isinstance(num_last_tokens, int) or num_last_tokens < 0:
+            raise ValueError(f"selscan_fused: num_last_tokens must be an int >= 0 (0: every position), got "
+                             f"{num_last_tokens!r}")
         layers = self.backbone.layers
-        if states is not None and len(states) != len(layers):
-            raise ValueError(f"selscan_fused: states has {len(states)} entries, the model has {len(layers)} layers "
-                             "(one (ssm_state, conv_state) pair per layer)")
+        if states is not None and (len(states) != len(layers) or
+                                   not all(isinstance(st, (tuple, list)) and len(st) == 2 for st in states)):
+            raise ValueError(f"selscan_fused: states must hold one (ssm_state, conv_state) pair per layer "
+                             f"({len(layers)} layers), got {len(states)} entries of types "
+                             f"{sorted({type(st).__name__ for st in states})}")
         hidden = self.backbone.embedding(input_ids)
         residual = None
         new_states = []
@@ -382,6 +403,9 @@ class MambaLM(nn.Module):
         on `device` (default: the model's)."""
         w = self.backbone.embedding.weight
         dtype = dtype or w.dtype
+        if not dtype.is_floating_point:
+            raise TypeError(f"selscan_fused: the cache's dtype must be a floating-point dtype (the conv states'), got "
+                            f"{dtype}")
         device = torch.device(device) if device is not None else w.device
         sdt = torch.float64 if dtype == torch.float64 else torch.float32
         ssm, conv = [], []
@@ -421,6 +445,8 @@ class MambaLM(nn.Module):
         in the cache advance by one token in place (selscan_fused.decode.mamba_block_step, on the path
         decode_impl names, default self.decode_impl). No host synchronisation: capturable in a CUDA graph
         (selscan_fused.generation.CUDAGraphStep)."""
+        _check_ids(input_ids, "(batch,) (one token per sequence)", self.backbone.embedding.num_embeddings)
+        self._check_cache(cache, input_ids.shape[0])
         hidden = self.backbone.embedding(input_ids)
         impl = self.decode_impl if decode_impl is None else decode_impl
         if len(self.backbone.layers) == 0:

@@ -95,6 +95,9 @@ def check_per_sequence(name: str, t, shape: tuple, why: Callable[[], str], devic
         raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"selscan_fused: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 "
+                        "(and float64 with impl='reference')")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} ({why()})")
     if t.device != device:
