@@ -3,6 +3,7 @@ the choice between the reference, the unfused path and (later) the fused kernel.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 
 import torch
@@ -104,6 +105,11 @@ class ScanConfig:
 
 
 DEFAULT_CONFIG = ScanConfig()
+
+
+def is_int(v) -> bool:
+    """An integer (Python's or numpy's), not a bool and not a float with an integral value."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_config(config) -> None:

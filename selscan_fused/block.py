@@ -38,7 +38,7 @@ from ._extension import extension_available, require_extension
 from ._linear import linear
 from ._extension import fused_extension_available
 from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS, UNFUSED_DIM_MULTIPLE,
-                  ScanConfig, _sm90, check_config, cuda_input_reason, unfused_dstate_reason)
+                  ScanConfig, _sm90, check_config, cuda_input_reason, is_int, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d, causal_conv1d_packed
 from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
@@ -359,8 +359,8 @@ class Mamba(nn.Module):
             raise ValueError(f"selscan_fused: dt_init must be 'random' or 'constant', got {dt_init!r}")
         check_config(config)
         for name, v in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
-                        ("dt_rank", 1 if dt_rank == "auto" else dt_rank)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                        ("dt_rank", 1 if isinstance(dt_rank, str) and dt_rank == "auto" else dt_rank)):
+            if not is_int(v) or v < 1:
                 raise ValueError(f"selscan_fused: {name} must be an int >= 1" + (" or 'auto'" if name == "dt_rank"
                                                                                else "") + f", got {v!r}")
         if isinstance(expand, bool) or not isinstance(expand, numbers.Real) or int(expand * d_model) < 1:
@@ -369,6 +369,7 @@ class Mamba(nn.Module):
         if not (isinstance(dt_min, numbers.Real) and isinstance(dt_max, numbers.Real) and 0 < dt_min <= dt_max):
             raise ValueError(f"selscan_fused: dt_min and dt_max must be numbers with 0 < dt_min <= dt_max, got "
                              f"dt_min = {dt_min!r}, dt_max = {dt_max!r}")
+        d_model, d_state, d_conv = int(d_model), int(d_state), int(d_conv)
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
         self.d_inner = int(expand * d_model)
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)

@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from .api import is_int
 from .block import Mamba
 from .model import EMBEDDING_KEY, HF_EMBEDDING_KEY, LM_HEAD_KEY, MambaLMConfig, _HF_SSM
 
@@ -94,7 +95,7 @@ def _check_sizes(raw: dict, keys, cfg_path: str):
     """The model's sizes in the file are integers: the depth >= 0, the others >= 1."""
     for k in keys:
         v, least = raw[k], 0 if k in ("n_layer", "num_hidden_layers") else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        if not is_int(v) or v < least:
             raise ValueError(f"selscan_fused: {cfg_path} has {k} = {v!r}; it must be an integer >= {least}")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from .api import is_int
 from .model import MambaCache
 
 __all__ = ["generate", "stream_generate", "CUDAGraphStep", "sample_next", "warp_logits", "prompt_batch"]
@@ -70,6 +71,9 @@ class CUDAGraphStep:
         return self.logits
 
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
 def prompt_batch(input_ids, device, ragged: bool = False):
     """The prompts as a (batch, L) LongTensor on `device`; a clear error for empty prompts, and for
     prompts of unequal lengths unless `ragged`, which returns those as a list of 1-D LongTensors."""
@@ -93,7 +97,7 @@ def prompt_batch(input_ids, device, ragged: bool = False):
             out = []
             for p in input_ids:
                 t = p if isinstance(p, torch.Tensor) else torch.as_tensor(_token_ids(p))
-                if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                if t.dtype not in _INT_DTYPES:
                     raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {t.dtype}")
                 out.append(t.to(device=device, dtype=torch.long))
             return out
@@ -101,7 +105,7 @@ def prompt_batch(input_ids, device, ragged: bool = False):
     else:
         raise TypeError("selscan_fused: input_ids must be a (batch, L) LongTensor or a list of prompts (each a list "
                         f"of token ids or a 1-D tensor), got {type(input_ids).__name__}")
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+    if ids.dtype not in _INT_DTYPES:
         raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"selscan_fused: generate needs at least one prompt of at least one token, got shape "
@@ -124,13 +128,9 @@ def _token_ids(p) -> list:
             raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {p.dtype}")
         return p.tolist()
     for t in p:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not is_int(t):
             raise TypeError(f"selscan_fused: input_ids must hold integer token ids, got {t!r} ({type(t).__name__})")
     return [int(t) for t in p]
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p):
@@ -141,13 +141,13 @@ def _check_sampling(do_sample, temperature, top_k, top_p):
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
         raise ValueError(f"selscan_fused: temperature must be > 0 for sampling (a number), got {temperature!r} "
                          "(do_sample=False decodes greedily)")
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"selscan_fused: top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"selscan_fused: top_p must be in (0, 1] (a number; 1 = off), got {top_p!r}")
 
 
-def eos_ids(eos_token_id, rows: int) -> list:
+def _eos_ids(eos_token_id, rows: int) -> list:
     """eos_token_id (an int, a 0-d or 1-D integer tensor, or a sequence of ints) as a list of ints, each in the
     vocabulary [0, rows)."""
     if isinstance(eos_token_id, torch.Tensor):
@@ -155,11 +155,11 @@ def eos_ids(eos_token_id, rows: int) -> list:
             raise TypeError(f"selscan_fused: eos_token_id must be an integer tensor of at most one dimension, got "
                             f"{eos_token_id.dtype} {tuple(eos_token_id.shape)}")
         ids = eos_token_id.reshape(-1).tolist()
-    elif _is_int(eos_token_id):
+    elif is_int(eos_token_id):
         ids = [int(eos_token_id)]
     elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, str):
         ids = list(eos_token_id)
-        if not all(_is_int(t) for t in ids):
+        if not all(is_int(t) for t in ids):
             raise TypeError(f"selscan_fused: eos_token_id must hold integer token ids, got {eos_token_id!r}")
         ids = [int(t) for t in ids]
     else:
@@ -207,7 +207,7 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
     """An iterator over the new tokens, each (batch,) as it is made; arguments as generate's (checked
     here, before the first token)."""
     _check_sampling(do_sample, temperature, top_k, top_p)
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"selscan_fused: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     device = model.backbone.embedding.weight.device
     ids = prompt_batch(input_ids, device, ragged=True)
@@ -219,10 +219,10 @@ def stream_generate(model, input_ids, max_new_tokens: int, do_sample: bool = Fal
                          f"{lo if lo < 0 else hi}")
     eos, fill = None, None
     if eos_token_id is not None:
-        eos_list = eos_ids(eos_token_id, rows)
+        eos_list = _eos_ids(eos_token_id, rows)
         if eos_list:
             eos = torch.tensor(eos_list, dtype=torch.long, device=device)
-            if pad_token_id is not None and not _is_int(pad_token_id):
+            if pad_token_id is not None and not is_int(pad_token_id):
                 raise TypeError(f"selscan_fused: pad_token_id must be an int, got {pad_token_id!r}")
             fill = eos_list[0] if pad_token_id is None else int(pad_token_id)
             if not 0 <= fill < rows:  # finished sequences are fed this token

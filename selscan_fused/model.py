@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ._linear import linear
-from .api import IMPLS
+from .api import IMPLS, is_int
 from .block import Mamba, mamba_block
 from .decode import mamba_block_step, norm_op_available, resolve_step_impl
 
@@ -369,7 +369,7 @@ class MambaLM(nn.Module):
         if impl is not None and impl not in IMPLS:
             raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
         _check_ids(input_ids, "(batch, L)", self.backbone.embedding.num_embeddings)
-        if isinstance(num_last_tokens, bool) or not isinstance(num_last_tokens, int) or num_last_tokens < 0:
+        if not is_int(num_last_tokens) or num_last_tokens < 0:
             raise ValueError(f"selscan_fused: num_last_tokens must be an int >= 0 (0: every position), got "
                              f"{num_last_tokens!r}")
         layers = self.backbone.layers
