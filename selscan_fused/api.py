@@ -13,8 +13,8 @@ from . import _ops  # noqa: F401  (fake implementations and autograd registratio
 from ._extension import extension_available, fused_extension_available, require_extension
 from ._linear import linear
 from .reference import selective_scan_ref
-from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
-                     packed_batch_error, run_per_sequence)
+from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, FLOAT_DTYPES, check_cu_seqlens, check_float_tensor,
+                     check_per_sequence, packed_batch_error, run_per_sequence)
 
 IMPLS = ("auto", "fused", "unfused", "reference")
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -125,7 +125,6 @@ def _shape_error(name: str, t: torch.Tensor, expected: tuple, why: str) -> Value
 
 
 _NAMES = ("x", "A_log", "W_delta", "b_delta", "W_B", "W_C", "D", "h0")
-_FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
 
 
 def _inputs_ok(x, A_log, W_delta, b_delta, W_B, W_C, D, h0) -> bool:
@@ -149,7 +148,7 @@ def _inputs_ok(x, A_log, W_delta, b_delta, W_B, W_C, D, h0) -> bool:
     if not (A_log.device == dev and W_delta.device == dev and b_delta.device == dev and W_B.device == dev
             and W_C.device == dev and D.device == dev and (h0 is None or h0.device == dev)):
         return False
-    fl = _FLOAT_DTYPES
+    fl = FLOAT_DTYPES
     return (x.dtype in fl and A_log.dtype in fl and W_delta.dtype in fl and b_delta.dtype in fl
             and W_B.dtype in fl and W_C.dtype in fl and D.dtype in fl and (h0 is None or h0.dtype in fl))
 
@@ -166,13 +165,7 @@ def _diagnose_inputs(x, A_log, W_delta, b_delta, W_B, W_C, D, h0):
     if h0 is None:
         del named["h0"]
     for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"selscan_fused: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 "
-                            "(and float64 with impl='reference')")
+        check_float_tensor(name, t)
     if x.dim() != 3:
         raise ValueError(f"selscan_fused: x must have shape (batch, L, D), got {tuple(x.shape)}")
     if A_log.dim() != 2:

@@ -87,8 +87,7 @@ def _from_mamba_ssm(raw: dict, cfg_path: str) -> MambaLMConfig:
                          "block's settings (d_state, d_conv, expand, ...)")
     cfg = MambaLMConfig(**{k: v for k, v in raw.items() if k in fields})
     cfg.ssm_cfg = dict(cfg.ssm_cfg or {})
-    cfg.block_kwargs()  # checks ssm_cfg now, naming the file
-    return cfg
+    return cfg  # its ssm_cfg is checked by read_config's _check_block, naming the file
 
 
 def _check_sizes(raw: dict, keys, cfg_path: str):

@@ -61,11 +61,11 @@ HF_EMBEDDING_KEY = "backbone.embeddings.weight"
 LM_HEAD_KEY = "lm_head.weight"
 
 
-def _check_ids(input_ids, shape: str, rows: int) -> None:
-    """input_ids: an integer tensor of the given shape ('(batch, L)': 2-D, else 1-D); on the CPU, outside
-    torch.compile, its values are checked against the embedding's rows too (on CUDA that would be a host
-    synchronisation, under torch.compile a graph break)."""
-    dims = 2 if shape == "(batch, L)" else 1
+def _check_ids(input_ids, dims: int, rows: int) -> None:
+    """input_ids: an integer tensor of `dims` dimensions ((batch, L) for a sequence, (batch,) for a decode
+    step); on the CPU, outside torch.compile, its values are checked against the embedding's rows too (on
+    CUDA that would be a host synchronisation, under torch.compile a graph break)."""
+    shape = "(batch, L)" if dims == 2 else "(batch,) (one token per sequence)"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != dims:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"selscan_fused: input_ids must be a {shape} tensor of token ids, got {got}")
@@ -368,7 +368,7 @@ class MambaLM(nn.Module):
                              "the rows cu_seqlens[1:] - 1 of the logits")
         if impl is not None and impl not in IMPLS:
             raise ValueError(f"selscan_fused: impl must be one of {IMPLS}, got {impl!r}")
-        _check_ids(input_ids, "(batch, L)", self.backbone.embedding.num_embeddings)
+        _check_ids(input_ids, 2, self.backbone.embedding.num_embeddings)
         if not is_int(num_last_tokens) or num_last_tokens < 0:
             raise ValueError(f"selscan_fused: num_last_tokens must be an int >= 0 (0: every position), got "
                              f"{num_last_tokens!r}")
@@ -445,7 +445,7 @@ class MambaLM(nn.Module):
         in the cache advance by one token in place (selscan_fused.decode.mamba_block_step, on the path
         decode_impl names, default self.decode_impl). No host synchronisation: capturable in a CUDA graph
         (selscan_fused.generation.CUDAGraphStep)."""
-        _check_ids(input_ids, "(batch,) (one token per sequence)", self.backbone.embedding.num_embeddings)
+        _check_ids(input_ids, 1, self.backbone.embedding.num_embeddings)
         self._check_cache(cache, input_ids.shape[0])
         hidden = self.backbone.embedding(input_ids)
         impl = self.decode_impl if decode_impl is None else decode_impl

@@ -85,19 +85,27 @@ def packed_batch_error(name: str, t: torch.Tensor, what: str) -> ValueError:
                       f"(1, total_tokens, {what}); got shape {tuple(t.shape)} (batch {t.shape[0]})")
 
 
+FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+
+def check_float_tensor(name: str, t) -> None:
+    """t is a tensor of a dtype the paths take (float32, bfloat16, float16; float64 for the reference)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"selscan_fused: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 "
+                        "(and float64 with impl='reference')")
+
+
 def check_per_sequence(name: str, t, shape: tuple, why: Callable[[], str], device: torch.device,
                        x_name: str = "x") -> None:
     """A per-sequence state (h0, conv_state) given with cu_seqlens: a floating-point tensor of `shape`
     (num_seqs first) on `device`. `why` (where the expected sizes come from) is a callable returning the
     text, called only for the error: formatting num_seqs into a string would make torch.compile specialise
     the graph on the number of sequences."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"selscan_fused: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"selscan_fused: {name} must be a floating-point tensor, got {t.dtype}")
-    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"selscan_fused: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 "
-                        "(and float64 with impl='reference')")
+    check_float_tensor(name, t)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"selscan_fused: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} ({why()})")
     if t.device != device:

@@ -242,3 +242,13 @@ def pytest_runtest_logreport(report):
         return
     with open(path, "a") as f:
         f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+
+
+def run_generate_cli(*args):
+    """`python -m selscan_fused.generate ARGS` in a fresh process on the CPU (no GPU visible), from this
+    checkout: its CompletedProcess (returncode, stdout, stderr)."""
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "selscan_fused.generate", *args], capture_output=True, text=True,
+                          cwd=repo, env=env, timeout=300)

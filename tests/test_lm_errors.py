@@ -3,8 +3,6 @@
 runs, never a crash inside torch or a silently wrong answer (CPU)."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +12,8 @@ import selscan_fused
 from selscan_fused.decode import mamba_block_step
 from selscan_fused.generation import generate, prompt_batch, stream_generate
 from selscan_fused.model import MambaLM, MambaLMConfig
-from conftest import fresh_seed
+from conftest import fresh_seed, run_generate_cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50  # padded to 56 (pad_vocab_size_multiple 8)
 
 
@@ -183,12 +180,6 @@ def test_config_json_of_the_wrong_types_is_a_clear_error(tmp_path, cfg, match):
         MambaLM.from_pretrained(_write_dir(tmp_path / "m", cfg))
 
 
-def _run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "selscan_fused.generate", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)
-
-
 def test_command_line_errors_come_before_any_output(tmp_path):
     m = tiny_lm()
     m.save_pretrained(tmp_path / "m", layout="hf")
@@ -205,12 +196,12 @@ def test_command_line_errors_come_before_any_output(tmp_path):
         (("--model", d, "--ids", "1,2", "--eos", "99999"), "eos_token_id 99999 is not in the vocabulary"),
     ]
     for args, msg in cases:
-        r = _run_cli(*args, *base)
+        r = run_generate_cli(*args, *base)
         assert r.returncode == 2, (args, r.returncode, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stdout == "", (args, r.stdout)
     os.remove(os.path.join(d, "config.json"))
-    r = _run_cli("--model", d, "--ids", "1,2", *base)
+    r = run_generate_cli("--model", d, "--ids", "1,2", *base)
     assert r.returncode == 1 and "error: could not load" in r.stderr and "config.json" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
 

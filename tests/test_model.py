@@ -6,8 +6,6 @@ CUDA-graph step."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,12 +14,11 @@ from selscan_fused.block_reference import mamba_step_ref
 from selscan_fused.decode import mamba_block_step
 from selscan_fused.generation import CUDAGraphStep, generate, sample_next, stream_generate, warp_logits
 from selscan_fused.model import MambaLM, MambaLMConfig
-from conftest import fresh_seed, matmul_precision, rel_l2, requires_cuda, requires_extension
+from conftest import fresh_seed, matmul_precision, rel_l2, requires_cuda, requires_extension, run_generate_cli
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 pytest.importorskip("safetensors", reason="safetensors (a transformers dependency) is not installed")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The variants the checkpoint tests run on: (vocab, d_conv, use_bias, use_conv_bias, tie).
 VARIANTS = [(100, 4, False, True, True), (97, 3, True, True, True), (97, 2, False, False, False)]
@@ -476,36 +473,30 @@ def test_prompts_of_unequal_length_are_a_clear_error():
         generate(m, torch.zeros(2, 0, dtype=torch.long), 2)
 
 
-def _run_cli(*args):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "selscan_fused.generate", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
-
-
 def test_command_line_with_ids_and_with_a_tokenizer(tmp_path):
     fresh_seed()
     m = small_lm()
     m.save_pretrained(tmp_path, layout="hf")
-    r = _run_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "8", "--device", "cpu",
+    r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "8", "--device", "cpu",
                  "--impl", "reference")
     assert r.returncode == 0, r.stderr
     assert "Hugging Face layout" in r.stderr
     expect = generate(m, torch.tensor([[5, 6, 7]]), 8)[0].tolist()
     assert [int(t) for t in r.stdout.split()] == expect
-    r = _run_cli("--model", str(tmp_path), "--prompt", "hello", "--device", "cpu")
+    r = run_generate_cli("--model", str(tmp_path), "--prompt", "hello", "--device", "cpu")
     assert r.returncode == 2 and "give the prompt's token ids with --ids" in r.stderr
     # the decode step's path is named on the command line (the kernel needs CUDA: a clear error here)
-    r = _run_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
+    r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
                  "--decode-impl", "torch")
     assert r.returncode == 0 and "decode torch" in r.stderr, r.stderr
     assert [int(t) for t in r.stdout.split()] == expect[:5]
-    r = _run_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
+    r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
                  "--decode-impl", "kernel")
     assert r.returncode == 2 and "--decode-impl kernel cannot run here" in r.stderr and "CUDA" in r.stderr
     # sampled, seeded: the same twice
     args = ("--model", str(tmp_path), "--ids", "1,2", "--max-new-tokens", "6", "--device", "cpu", "--temperature",
             "0.8", "--top-k", "10", "--seed", "3")
-    r1, r2 = _run_cli(*args), _run_cli(*args)
+    r1, r2 = run_generate_cli(*args), run_generate_cli(*args)
     assert r1.returncode == 0 and r1.stdout == r2.stdout and len(r1.stdout.split()) == 8
     # a tokenizer.json in the directory: --prompt works and text is printed
     tokenizers = pytest.importorskip("tokenizers")
@@ -514,7 +505,7 @@ def test_command_line_with_ids_and_with_a_tokenizer(tmp_path):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     tok.save(str(tmp_path / "tokenizer.json"))
-    r = _run_cli("--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "8", "--device", "cpu")
+    r = run_generate_cli("--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "8", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [f"w{t}" for t in expect]
 
