@@ -416,6 +416,13 @@ def selective_scan(
     elif impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
+    if fused_only and chosen != "fused":
+        names = (["exp_poly=True"] if cfg.exp_poly else []) + \
+                ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
+                ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
+                ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
+        raise ValueError(f"selscan_fused: ScanConfig({', '.join(names)}) applies to impl='fused' only; "
+                         f"this call runs impl={chosen!r}")
     # Parameter dtypes: weights in x's dtype, the rest float32 (the reference keeps float64 for float64 x).
     # Converted only where they differ (a .to() that changes nothing still costs a dispatch).
     xdt = x.dtype
@@ -438,13 +445,6 @@ def selective_scan(
         reason = unsupported_reason(chosen, x, N)
         if reason is not None:
             raise ValueError(f"selscan_fused: {reason}")
-    if fused_only and chosen != "fused":
-        names = (["exp_poly=True"] if cfg.exp_poly else []) + \
-                ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
-                ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
-                ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
-        raise ValueError(f"selscan_fused: ScanConfig({', '.join(names)}) applies to impl='fused' only; "
-                         f"this call runs impl={chosen!r}")
     require_extension(chosen)
     if cu_seqlens is not None:  # packed: the library product, then the scan kernel over the sequences
         if cfg is not DEFAULT_CONFIG and cfg.l_segments:

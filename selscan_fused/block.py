@@ -261,6 +261,9 @@ def mamba_block(
     if packed and chosen not in ("reference", "unfused"):
         raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()
+    if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":  # on every path
+        raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "
+                         "apply to the layer's fused kernel; the Mamba block takes l_segments only")
     if chosen == "reference":
         weights = (in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
                    dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias)
@@ -274,9 +277,6 @@ def mamba_block(
     reason = block_unsupported_reason(chosen, x, d_inner, N, W, R)
     if reason is not None:
         raise ValueError(f"selscan_fused: {reason}")
-    if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":
-        raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "
-                         "apply to the layer's fused kernel; the Mamba block takes l_segments only")
     if packed and cfg.l_segments:
         raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their scan "
                          "is never split along L)")

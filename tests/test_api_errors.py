@@ -71,3 +71,20 @@ def test_auto_on_cpu_is_reference():
 def test_scan_config_rejects_bad_switches(kw, match):
     with pytest.raises(ValueError, match=match):
         selscan_fused.ScanConfig(**kw)
+
+
+@pytest.mark.parametrize("cfg", [dict(exp_poly=True), dict(ring_stages=3), dict(channel_tile=16),
+                                 dict(fused_backward="kernel")])
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_fused_only_switches_refused_where_the_fused_kernel_does_not_run(cfg, impl):
+    """A switch of the layer's fused kernel on a path that does not run it is an error (as on the unfused
+    path), not silently ignored: here the reference, chosen or picked by 'auto' on the CPU."""
+    config = selscan_fused.ScanConfig(**cfg)
+    with pytest.raises(ValueError, match=r"applies to impl='fused' only; this call runs impl='reference'"):
+        call(_inp(), impl, config=config)
+    blk = selscan_fused.Mamba(16, d_state=4, impl=impl, config=config)
+    with pytest.raises(ValueError, match=r"the Mamba block takes l_segments only"):
+        blk(torch.randn(2, 5, 16))
+    # l_segments applies to every CUDA path and changes no result: the reference takes it
+    call(_inp(), impl, config=selscan_fused.ScanConfig(l_segments=2))
+    selscan_fused.Mamba(16, d_state=4, impl=impl, config=selscan_fused.ScanConfig(l_segments=2))(torch.randn(2, 5, 16))
