@@ -153,6 +153,7 @@ def _collect(args, shard=None):
     its return code, the collected test ids in order, and its output."""
     env = dict(os.environ)
     env.pop("SELSCAN_TEST_SHARD", None)
+    env.pop("PYTEST_ADDOPTS", None)  # the caller's options (-v changes --collect-only's output)
     if shard is not None:
         env["SELSCAN_TEST_SHARD"] = shard
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
