@@ -204,4 +204,9 @@ echo "build: $((t1 - t0)) s   tests: $((t2 - t1)) s   benchmark: $((t3 - t2)) s 
 grep -E "^[0-9]+ (passed|failed)|passed|failed" "$LOG/tests.log" | tail -n 1
 cat "$LOG/bench.log" | tail -n 60
 [ -n "$extra" ] && printf '%s' "$extra"
+# SELSCAN_PACK=FILE: LOGDIR packed into one gzipped tar at the end (for a machine that returns few files;
+# `tar xzf FILE` restores LOGDIR's last path component).
+if [ -n "${SELSCAN_PACK:-}" ]; then
+  tar czf "$SELSCAN_PACK" -C "$(dirname "$LOG")" "$(basename "$LOG")" || status=1
+fi
 exit $status
