@@ -273,3 +273,34 @@ def test_gpu_runs_both_impls(tmp_path):
                             "--out", str(tmp_path / "ih"), "--no-plot", "--no-progress"])
     a, b = res["logs"]["unfused"], res["logs"]["reference"]
     assert len(a) == len(b) and abs(a[0][1] - b[0][1]) < 2e-2 * a[0][1]
+
+
+def test_memory_diagnostic_reads_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """scripts/diag_ih_memory.py on a smoke run's checkpoint: its delta is the one the block's reference
+    computes, and it prints a half-life line per block."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import diag_ih_memory
+    import selscan_fused.block_reference as block_reference
+
+    ckpt = str(tmp_path / "ih.pt")
+    paper_tasks.main(_smoke_argv("induction-heads", tmp_path, "--steps", "3", "--eval-lengths", "16", "--ckpt", ckpt))
+    store = torch.load(ckpt, map_location="cpu", weights_only=False)
+    cfg = store["config"]
+    model = paper_tasks.TinyLM(cfg["vocab"], d_model=cfg["d_model"], n_layer=cfg["n_layer"], d_state=cfg["d_state"],
+                               d_conv=cfg["d_conv"], expand=cfg["expand"], impl="reference", norm=cfg["norm"])
+    model.load_state_dict(store["runs"]["reference/selective"]["model"])
+    ids, _ = paper_tasks.induction_heads_batch(torch.Generator().manual_seed(3), 2, 40, cfg["vocab"])
+    seen = []
+    scan_ref = block_reference.scan_ref
+    monkeypatch.setattr(block_reference, "scan_ref",
+                        lambda u, delta, *rest: (seen.append(delta), scan_ref(u, delta, *rest))[1])
+    with torch.no_grad():
+        h = model.norms[0](model.embedding(ids).float())
+        model.mixers[0](h)
+        torch.testing.assert_close(diag_ih_memory.block_delta(model.mixers[0], h), seen[0].float())
+    monkeypatch.setattr(sys, "argv", ["diag_ih_memory.py", ckpt, "--length", "64", "--n", "2"])
+    diag_ih_memory.main()
+    out = capsys.readouterr().out
+    assert "reference/selective" in out
+    for i in range(cfg["n_layer"]):
+        assert f"block {i}: longest half-lives" in out
