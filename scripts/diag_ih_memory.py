@@ -13,21 +13,17 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-import paper_tasks  # noqa: E402
+import paper_tasks  # noqa: E402  (puts the checkout on the path too)
+from selscan_fused.block_reference import block_terms  # noqa: E402
 
 
 def block_delta(mixer, h: torch.Tensor) -> torch.Tensor:
-    """delta (batch, L, d_inner) of a Mamba block on its input h: in_proj, the causal conv and SiLU,
-    x_proj's low-rank part, dt_proj and softplus (float32)."""
-    d_inner, R = mixer.d_inner, mixer.dt_rank
-    xi = F.linear(h, mixer.in_proj.weight, mixer.in_proj.bias)[..., :d_inner].transpose(1, 2)
-    W = mixer.conv1d.weight.shape[-1]
-    u = F.silu(F.conv1d(F.pad(xi, (W - 1, 0)), mixer.conv1d.weight, mixer.conv1d.bias, groups=d_inner))
-    dt_low = F.linear(u.transpose(1, 2), mixer.x_proj.weight)[..., :R]
-    return F.softplus(F.linear(dt_low, mixer.dt_proj.weight, mixer.dt_proj.bias))
+    """delta (batch, L, d_inner) of a Mamba block on its input h, as the block's reference makes it
+    (float32)."""
+    w = mixer.weights()  # in_proj's weight and bias, conv's, x_proj's, dt_proj's, A_log, D, out_proj's
+    return block_terms(h, *w[:7], mixer.d_inner, mixer.d_state)[2]
 
 
 @torch.no_grad()

@@ -103,6 +103,13 @@ class ScanConfig:
             raise ValueError(f"selscan_fused: ScanConfig(channel_tile={self.channel_tile!r}) must be 0 "
                              "(automatic), 16 or 64")
 
+    def fused_switches(self) -> list[str]:
+        """The switches of the layer's fused kernel set here, as ScanConfig arguments ([] for none)."""
+        return ((["exp_poly=True"] if self.exp_poly else []) +
+                ([f"ring_stages={self.ring_stages}"] if self.ring_stages else []) +
+                ([f"channel_tile={self.channel_tile}"] if self.channel_tile else []) +
+                ([f"fused_backward={self.fused_backward!r}"] if self.fused_backward != "auto" else []))
+
 
 DEFAULT_CONFIG = ScanConfig()
 
@@ -397,8 +404,7 @@ def selective_scan(
     train = torch.is_grad_enabled() and (
         x.requires_grad or A_log.requires_grad or W_delta.requires_grad or b_delta.requires_grad
         or W_B.requires_grad or W_C.requires_grad or D.requires_grad or (h0 is not None and h0.requires_grad))
-    fused_only = cfg is not DEFAULT_CONFIG and bool(cfg.exp_poly or cfg.ring_stages or cfg.channel_tile
-                                                    or cfg.fused_backward != "auto")
+    fused_only = cfg is not DEFAULT_CONFIG and bool(cfg.fused_switches())
     if impl == "auto" and fused_only and x.is_cuda and fused_extension_available() and \
             unsupported_reason("fused", x, N) is None:
         chosen = "fused"  # a switch of the fused kernel's asks for it
@@ -417,11 +423,7 @@ def selective_scan(
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")
     if fused_only and chosen != "fused":
-        names = (["exp_poly=True"] if cfg.exp_poly else []) + \
-                ([f"ring_stages={cfg.ring_stages}"] if cfg.ring_stages else []) + \
-                ([f"channel_tile={cfg.channel_tile}"] if cfg.channel_tile else []) + \
-                ([f"fused_backward={cfg.fused_backward!r}"] if cfg.fused_backward != "auto" else [])
-        raise ValueError(f"selscan_fused: ScanConfig({', '.join(names)}) applies to impl='fused' only; "
+        raise ValueError(f"selscan_fused: ScanConfig({', '.join(cfg.fused_switches())}) applies to impl='fused' only; "
                          f"this call runs impl={chosen!r}")
     # Parameter dtypes: weights in x's dtype, the rest float32 (the reference keeps float64 for float64 x).
     # Converted only where they differ (a .to() that changes nothing still costs a dispatch).

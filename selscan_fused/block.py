@@ -261,7 +261,7 @@ def mamba_block(
     if packed and chosen not in ("reference", "unfused"):
         raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()
-    if cfg.exp_poly or cfg.ring_stages or cfg.channel_tile or cfg.fused_backward != "auto":  # on every path
+    if cfg.fused_switches():  # on every path
         raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "
                          "apply to the layer's fused kernel; the Mamba block takes l_segments only")
     if chosen == "reference":

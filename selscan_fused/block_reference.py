@@ -42,6 +42,24 @@ def _linear(x, w, b, cd):
     return F.linear(x, w.to(cd), None if b is None else b.to(cd))
 
 
+def block_terms(x, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                dt_proj_bias, d_inner: int, N: int, conv_state=None, cd: torch.dtype = torch.float32):
+    """The block's per-token terms before the scan (module docstring), in the compute dtype cd: u =
+    silu(conv(xi)), the gate's z, delta, B, C, and the conv's final state."""
+    R = dt_proj_weight.shape[1]
+    xz = _linear(x.to(cd), in_proj_weight, in_proj_bias, cd)
+    xi, z = xz[..., :d_inner], xz[..., d_inner:]
+    # The conv state holds inputs of the conv: in the input's dtype, as the CUDA paths keep it.
+    u, conv_final = causal_conv1d_ref(xi, conv_weight.reshape(d_inner, -1).to(cd),
+                                      None if conv_bias is None else conv_bias.to(cd),
+                                      None if conv_state is None else conv_state.to(cd), activation=True,
+                                      compute_dtype=cd)
+    xdbl = F.linear(u, x_proj_weight.to(cd))
+    dt_low, Bt, Ct = xdbl[..., :R], xdbl[..., R:R + N], xdbl[..., R + N:]
+    delta = F.softplus(_linear(dt_low, dt_proj_weight, dt_proj_bias, cd))
+    return u, z, delta, Bt, Ct, conv_final
+
+
 def mamba_block_ref(
     hidden_states: torch.Tensor,
     in_proj_weight: torch.Tensor,
@@ -63,19 +81,9 @@ def mamba_block_ref(
     """The block's forward (module docstring); differentiable in every tensor argument."""
     x = hidden_states
     cd = compute_dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
-    d_inner = A_log.shape[0]
-    N = A_log.shape[1]
-    R = dt_proj_weight.shape[1]
-    xz = _linear(x.to(cd), in_proj_weight, in_proj_bias, cd)
-    xi, z = xz[..., :d_inner], xz[..., d_inner:]
-    # The conv state holds inputs of the conv: in the input's dtype, as the CUDA paths keep it.
-    u, conv_final = causal_conv1d_ref(xi, conv_weight.reshape(d_inner, -1).to(cd),
-                                      None if conv_bias is None else conv_bias.to(cd),
-                                      None if conv_state is None else conv_state.to(cd), activation=True,
-                                      compute_dtype=cd)
-    xdbl = F.linear(u, x_proj_weight.to(cd))
-    dt_low, Bt, Ct = xdbl[..., :R], xdbl[..., R:R + N], xdbl[..., R + N:]
-    delta = F.softplus(_linear(dt_low, dt_proj_weight, dt_proj_bias, cd))
+    u, z, delta, Bt, Ct, conv_final = block_terms(x, in_proj_weight, in_proj_bias, conv_weight, conv_bias,
+                                                  x_proj_weight, dt_proj_weight, dt_proj_bias, A_log.shape[0],
+                                                  A_log.shape[1], conv_state, cd)
     y, h = scan_ref(u, delta, A_log.to(cd), Bt, Ct, D.to(cd), h0)
     y = y * F.silu(z)
     out = _linear(y, out_proj_weight, out_proj_bias, cd)

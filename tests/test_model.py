@@ -478,7 +478,7 @@ def test_command_line_with_ids_and_with_a_tokenizer(tmp_path):
     m = small_lm()
     m.save_pretrained(tmp_path, layout="hf")
     r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "8", "--device", "cpu",
-                 "--impl", "reference")
+                         "--impl", "reference")
     assert r.returncode == 0, r.stderr
     assert "Hugging Face layout" in r.stderr
     expect = generate(m, torch.tensor([[5, 6, 7]]), 8)[0].tolist()
@@ -487,11 +487,11 @@ def test_command_line_with_ids_and_with_a_tokenizer(tmp_path):
     assert r.returncode == 2 and "give the prompt's token ids with --ids" in r.stderr
     # the decode step's path is named on the command line (the kernel needs CUDA: a clear error here)
     r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
-                 "--decode-impl", "torch")
+                         "--decode-impl", "torch")
     assert r.returncode == 0 and "decode torch" in r.stderr, r.stderr
     assert [int(t) for t in r.stdout.split()] == expect[:5]
     r = run_generate_cli("--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu",
-                 "--decode-impl", "kernel")
+                         "--decode-impl", "kernel")
     assert r.returncode == 2 and "--decode-impl kernel cannot run here" in r.stderr and "CUDA" in r.stderr
     # sampled, seeded: the same twice
     args = ("--model", str(tmp_path), "--ids", "1,2", "--max-new-tokens", "6", "--device", "cpu", "--temperature",
