@@ -8,7 +8,8 @@
 # Needs: python3 with torch (CUDA build), pytest, ninja, nvcc. CUTLASS comes from the nvidia-cutlass
 # wheel: installed already, or carried as .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (no registry
 # needed), or a checkout named by SELSCAN_CUTLASS_DIR.
-# SELSCAN_PREBUILT=DIR: use DIR/_C*.so (built elsewhere against this exact torch) instead of building.
+# SELSCAN_PREBUILT=DIR or FILE.tgz: use DIR/*.so (built elsewhere against this exact torch and Python
+# minor version), or those of a scripts/prebuild.sh archive, instead of building.
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [benchmark args...]}
 shift
@@ -47,7 +48,22 @@ fi
 
 t0=$(date +%s)
 if [ -n "${SELSCAN_PREBUILT:-}" ]; then
-  cp "$SELSCAN_PREBUILT"/*.so "$SELSCAN_PREBUILT"/_build_info.py selscan_fused/ || exit 1
+  pre=$SELSCAN_PREBUILT
+  if [ -f "$pre" ]; then  # a scripts/prebuild.sh archive
+    rm -rf /tmp/selscan_prebuilt && mkdir -p /tmp/selscan_prebuilt && tar xzf "$pre" -C /tmp/selscan_prebuilt || exit 1
+    pre=/tmp/selscan_prebuilt/selscan_fused
+  fi
+  # A build for another torch fails to load (or loads and misbehaves): say so before any test runs.
+  $PY - "$pre/_build_info.py" <<'PY' || exit 2
+import runpy, sys, torch
+info = runpy.run_path(sys.argv[1])
+want, have = info.get("TORCH_VERSION"), torch.__version__
+pyv = info.get("PYTHON_VERSION", "").rsplit(".", 1)[0]
+if want != have or pyv != "%d.%d" % sys.version_info[:2]:
+    sys.exit(f"the prebuilt extension was built for torch {want}, Python {pyv}; here torch {have}, Python "
+             f"{sys.version_info[0]}.{sys.version_info[1]}: build it for this machine (scripts/prebuild.sh)")
+PY
+  cp "$pre"/*.so "$pre"/_build_info.py selscan_fused/ || exit 1
   echo "using the prebuilt extension in $SELSCAN_PREBUILT" | tee "$LOG/build.log"
 else
   # In place, without pip: the GPU machine has no package registry, and a pip editable install can
