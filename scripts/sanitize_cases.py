@@ -27,8 +27,10 @@ left out of the instrumentation is not seen writing either). What is left to cuB
 own dx and dW products, whose values this mode does not read (its finiteness check covers the
 gradients formed from the kernels' partials: dA_log, db_delta, dD, dh0; dW_B and dW_C are separate
 products since 2026-12-02, no copy of a cuBLAS output); a report in one of this project's kernels is a
-read of memory nothing wrote. Needs the fused
-kernel (sm_90).
+read of memory nothing wrote. The block's kernels the same way (`_block_ops_without_cublas`: in_proj's
+output drawn at random, x_proj's and dt_proj's products as elementwise products and sums): the conv
+kernel, the gated scan and its backward, the conv's backward, the fused block's two kernels, the decode
+step's kernels and the packed conv and scan kernels. Needs the fused kernel (sm_90).
 """
 import argparse
 import sys
@@ -128,6 +130,8 @@ def _block_case(impl, dt, batch, L, Dm, N, W, seed):
     return err, ok
 
 
+BLOCK_TOLERANCE = dict(TOLERANCE, **{"float32-high": 3e-3})  # tests/test_block.py's bounds
+
 # Packed sequences on the unfused path (the scan and conv kernels' packed policies), forward + backward:
 # sequences shorter than the conv window, starts on and inside the 64-token chunks.
 PACKED_LENGTHS = [1, 70, 2, 64, 300, 5]
@@ -168,6 +172,102 @@ def _packed_case(dt, seed):
             pieces.append(mamba_block_ref(xb.detach()[:, a:a + n].double(), *w64)[0])
         a += n
     err = max(err, rel_l2(out.detach(), torch.cat(pieces, 1)))
+    return err, ok
+
+
+def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused):
+    """--initcheck: the block's kernels through its ops, on tensors no cuBLAS product wrote: in_proj's
+    output drawn at random, x_proj's and dt_proj's products formed by elementwise products and sums. The
+    conv kernel, the gated scan kernel, the backward scan kernel with the gate's derivative and the conv's
+    backward kernel (the unfused block); the fused block's kernels (block_xproj and the fused kernel, when
+    `fused`) and the backward scan kernel on their checkpoints; the decode step's kernels (decode_mid,
+    add_rmsnorm); the packed conv and scan kernels, forward and backward. Returns (worst rel err of a
+    gated y against float64, ok: every output finite and each decode / norm output within its bound)."""
+    from selscan_fused.conv import causal_conv1d_ref
+    from selscan_fused.reference import scan_ref
+    ops = torch.ops.selscan_fused
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d_inner, R = 2 * Dm, max(1, -(-Dm // 16))
+
+    def rnd(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    def mm(a, w):  # a @ w.T without cuBLAS: an elementwise product and a sum, rounded to a's dtype
+        return (a.float().unsqueeze(-2) * w.float()).sum(-1).to(a.dtype)
+
+    xz = rnd(batch, L, 2 * d_inner, dtype=dt)
+    cw, cb = rnd(d_inner, W, scale=0.5), rnd(d_inner, scale=0.1)
+    cs = rnd(batch, d_inner, W - 1, dtype=dt)
+    wx = rnd(R + 2 * N, d_inner, scale=d_inner ** -0.5, dtype=dt)
+    dt_w = rnd(d_inner, R, scale=R ** -0.5, dtype=dt)
+    A_log = torch.log(torch.arange(1, N + 1, device="cuda", dtype=torch.float32)).repeat(d_inner, 1)
+    dt_bias, D = rnd(d_inner, scale=0.5) - 3.0, rnd(d_inner)
+    h0 = rnd(batch, d_inner, N, scale=0.5)
+    xi, z = xz[..., :d_inner], xz[..., d_inner:]
+    ok = True
+
+    def c64(t):
+        return t.detach().double().cpu()
+
+    def finite(*ts):
+        return all(bool(torch.isfinite(t).all()) for t in ts if t is not None and t.numel())
+
+    with torch.no_grad():
+        # float64 on the CPU (no launch for the tool to slow down): the conv, x_proj, dt_proj, the scan and the
+        # gate from the same xz
+        u64, _ = causal_conv1d_ref(c64(xi), c64(cw), c64(cb), c64(cs), activation=True)
+        xdbl64 = u64 @ c64(wx).T
+        delta64 = torch.nn.functional.softplus(xdbl64[..., :R] @ c64(dt_w).T + c64(dt_bias))
+        y64, _ = scan_ref(u64, delta64, c64(A_log), xdbl64[..., R:R + N], xdbl64[..., R + N:], c64(D), c64(h0))
+        y64 = y64 * torch.nn.functional.silu(c64(z))
+        # the unfused block: the conv kernel, the gated scan, its backward, the conv's backward
+        u, conv_T = ops.causal_conv1d_fwd(xi, cw, cb, cs.float(), True, True)
+        xdbl = mm(u, wx)
+        delta, bc = mm(xdbl[..., :R], dt_w), xdbl[..., R:]
+        y, h, ckpt = ops.gated_scan_fwd(delta, bc, u, z, A_log, dt_bias, D, h0, True, True, 0)
+        dy, dhT = rnd(*y.shape, dtype=dt), rnd(*h.shape)
+        grads = ops.scan_bwd(delta, bc, u, A_log, dt_bias, D, h0, dy, dhT, ckpt, 0, gate_z=z)
+        cgrads = ops.causal_conv1d_bwd(xi, cw, cb, cs.float(), grads[1], None, True)
+        ok = ok and finite(y, h, conv_T, *grads, *cgrads)
+        err = rel_l2(y.cpu(), y64)
+        if fused:  # block_xproj and the fused kernel, then the backward scan on the fused forward's checkpoints
+            yf, hf, ckf, xdf = ops.fused_block_fwd(xz, cw, cb, cs.float(), wx, None, dt_w, A_log, dt_bias, D, h0,
+                                                    True, True, 0)
+            gf = ops.scan_bwd(mm(xdf[..., :R], dt_w), xdf[..., R:], u, A_log, dt_bias, D, h0, dy, dhT, ckf, 0,
+                              gate_z=z)
+            ok = ok and finite(yf, hf, xdf, *gf)
+            err = max(err, rel_l2(yf.cpu(), y64))
+        # the decode step's kernels on one token from the final states, against float64
+        cst, sst = conv_T.to(dt).contiguous(), h.clone()
+        xz1 = rnd(batch, 2 * d_inner, dtype=dt)
+        win = torch.cat([c64(cst), c64(xz1[:, :d_inner]).unsqueeze(-1)], -1)
+        u1 = torch.nn.functional.silu((win * c64(cw)).sum(-1) + c64(cb))
+        xd1 = u1 @ c64(wx).T
+        dl1 = torch.nn.functional.softplus(xd1[:, :R] @ c64(dt_w).T + c64(dt_bias))
+        s1 = c64(sst) * torch.exp(dl1.unsqueeze(-1) * -torch.exp(c64(A_log))) + \
+            (dl1 * u1).unsqueeze(-1) * xd1[:, R:R + N].unsqueeze(1)
+        y1_64 = (torch.einsum("bdn,bn->bd", s1, xd1[:, R + N:]) + c64(D) * u1) * \
+            torch.nn.functional.silu(c64(xz1[:, d_inner:]))
+        y1 = ops.decode_mid(xz1, cst, sst, cw, cb, wx, dt_w, dt_bias, A_log, D)
+        ok = ok and finite(y1, cst, sst) and rel_l2(y1.cpu(), y1_64) < BLOCK_TOLERANCE["bfloat16"]
+        hid, nw = rnd(batch, Dm, dtype=dt), rnd(Dm, dtype=dt)
+        n1, r1 = ops.add_rmsnorm(hid, None, nw, 1e-5, True)
+        h64 = c64(hid)
+        n64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * c64(nw)
+        ok = ok and finite(n1, r1) and rel_l2(n1.cpu(), n64) < 1e-2
+        # packed: the conv and the gated scan over sequences that restart inside and on the chunks
+        cu = torch.tensor([0] + torch.tensor(PACKED_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        T, S = sum(PACKED_LENGTHS), len(PACKED_LENGTHS)
+        pxi, pz = rnd(1, T, d_inner, dtype=dt), rnd(1, T, d_inner, dtype=dt)
+        pcs, ph0 = rnd(S, d_inner, W - 1), rnd(S, d_inner, N, scale=0.5)
+        pu, pcT = ops.causal_conv1d_packed_fwd(pxi, cw, cb, pcs, cu, True, True)
+        pxd = mm(pu, wx)
+        pdl, pbc = mm(pxd[..., :R], dt_w), pxd[..., R:]
+        py, ph, pck = ops.scan_fwd_packed(pdl, pbc, pu, pz, A_log, dt_bias, D, ph0, cu, True, True)
+        pdy, pdhT = rnd(1, T, d_inner, dtype=dt), rnd(S, d_inner, N)
+        pg = ops.scan_bwd_packed(pdl, pbc, pu, A_log, dt_bias, D, ph0, pdy, pdhT, pck, cu, gate_z=pz)
+        pcg = ops.causal_conv1d_packed_bwd(pxi, cw, cb, pcs, pg[1], None, cu, True)
+        ok = ok and finite(pu, pcT, py, ph, *pg, *pcg)
     return err, ok
 
 
@@ -265,8 +365,19 @@ def main():
             sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
         runs += 1
         worst = max(worst, err / TOLERANCE[mode])
-    if not args.initcheck and not args.with_key:  # the block (initcheck: its products are cuBLAS's)
-        BLOCK_TOLERANCE = dict(TOLERANCE, **{"float32-high": 3e-3})  # tests/test_block.py's bounds
+    if args.initcheck and not args.with_key:  # the block's kernels through its ops (no cuBLAS product read)
+        for _, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, ["unfused"]):
+            torch.set_float32_matmul_precision(prec)
+            err, ok = _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused=(2 * Dm) % 64 == 0)
+            torch.cuda.synchronize()
+            ok = ok and err < BLOCK_TOLERANCE[mode]
+            print(f"block ops {mode:16s} {batch}x{L}x{Dm}x{N} d_conv {W}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
+                  flush=True)
+            if not ok:
+                sys.exit(f"wrong result: block ops {mode} {batch}x{L}x{Dm}x{N} d_conv {W}")
+            runs += 1
+            worst = max(worst, err / BLOCK_TOLERANCE[mode])
+    if not args.initcheck and not args.with_key:  # the block through the API (initcheck: above, through its ops)
         for impl, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, [i for i in impls if i != "ops"]):
             torch.set_float32_matmul_precision(prec)
             err, ok = _block_case(impl, dt, batch, L, Dm, N, W, seed)
