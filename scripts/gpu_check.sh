@@ -123,11 +123,28 @@ if [[ $skip != *,tests,* ]]; then
   par=() tmo=()
   if [ -n "${SELSCAN_TEST_WORKERS:-}" ] && $PY -c "import xdist" 2>/dev/null; then par=(-n "$SELSCAN_TEST_WORKERS"); fi
   $PY -c "import pytest_timeout" 2>/dev/null && tmo=(--timeout "${SELSCAN_TEST_TIMEOUT:-900}")
-  # SELSCAN_TEST_FILES: the test files (or node ids) to run, space-separated (default: the whole suite)
-  read -r -a test_files <<< "${SELSCAN_TEST_FILES:-tests}"
+  # SELSCAN_TEST_FILES: the test files (or node ids) to run, space-separated (default: the whole suite),
+  # or @FILE: the node ids in FILE, one a line (a run's LOGDIR/unfinished.txt, below)
+  if [[ ${SELSCAN_TEST_FILES:-} == @* ]]; then
+    mapfile -t test_files < "${SELSCAN_TEST_FILES#@}"
+    [ ${#test_files[@]} -gt 0 ] || { echo "SELSCAN_TEST_FILES=$SELSCAN_TEST_FILES names no test"; exit 2; }
+  else
+    read -r -a test_files <<< "${SELSCAN_TEST_FILES:-tests}"
+  fi
+  # every finished test's node id (tests/conftest.py), so that a run stopped at its limit names the rest
+  export SELSCAN_DONE_LOG="$LOG/done.txt"
+  : > "$SELSCAN_DONE_LOG"
   timeout "${SELSCAN_TESTS_LIMIT:-0}" $PY -m pytest -q -rs "${par[@]}" "${tmo[@]}" "${test_files[@]}" 2>&1 | tee "$LOG/tests.log" | tail -n 40
   test_rc=${PIPESTATUS[0]}
-  [ "$test_rc" = 124 ] && echo "tests: stopped at SELSCAN_TESTS_LIMIT=${SELSCAN_TESTS_LIMIT:-0} s" | tee -a "$LOG/tests.log"
+  if [ "$test_rc" = 124 ]; then
+    # The tests it had not finished: the same selection collected again, less those done.
+    PYTEST_ADDOPTS= $PY -m pytest --collect-only -q -p no:xdist "${test_files[@]}" 2>/dev/null | grep '::' \
+      > "$LOG/collected.txt"
+    grep -vxFf "$SELSCAN_DONE_LOG" "$LOG/collected.txt" > "$LOG/unfinished.txt"
+    echo "tests: stopped at SELSCAN_TESTS_LIMIT=${SELSCAN_TESTS_LIMIT:-0} s with $(wc -l < "$LOG/unfinished.txt") of" \
+         "$(wc -l < "$LOG/collected.txt") tests unfinished, named in $LOG/unfinished.txt" \
+         "(SELSCAN_TEST_FILES=@$LOG/unfinished.txt runs them)" | tee -a "$LOG/tests.log"
+  fi
   mapfile -t failed < <(sed -n 's/^==== \([^ ]*\) .*/\1/p' "$SELSCAN_FAILURE_LOG" | sort -u)
   if [ ${#par[@]} -gt 0 ] && [ ${#failed[@]} -gt 0 ]; then
     echo "rerunning the ${#failed[@]} failed tests one process, one at a time" | tee -a "$LOG/tests.log"

@@ -234,14 +234,21 @@ def poisoned_outputs():
 
 
 def pytest_runtest_logreport(report):
-    """SELSCAN_FAILURE_LOG=FILE: every failure's report appended to FILE as it happens (written once, by
-    the controlling process under pytest-xdist), so that a run stopped at a time limit, whose summary
-    never prints, still says what failed and why (scripts/gpu_check.sh)."""
-    path = os.environ.get("SELSCAN_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    """SELSCAN_FAILURE_LOG=FILE: every failure's report appended to FILE as it happens; SELSCAN_DONE_LOG=
+    FILE: the node id of every test that has finished (its teardown reported), one a line. Both written
+    once, by the controlling process under pytest-xdist, so that a run stopped at a time limit, whose
+    summary never prints, still says what failed and why, and which tests it had not finished
+    (scripts/gpu_check.sh)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    with open(path, "a") as f:
-        f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+    path = os.environ.get("SELSCAN_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+    done = os.environ.get("SELSCAN_DONE_LOG")
+    if done and report.when == "teardown":
+        with open(done, "a") as f:
+            f.write(report.nodeid + "\n")
 
 
 def run_generate_cli(*args):

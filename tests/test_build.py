@@ -201,3 +201,21 @@ def test_slowest_test_files_are_collected_first():
     expected = sorted(files, key=lambda f: conftest.slow_first_rank(Path(f).name))
     assert expected[0] == "tests/test_paper_tasks.py"
     assert order == [t for f in expected for t in alone[f]]
+
+
+def test_done_log_names_every_finished_test(tmp_path):
+    """SELSCAN_DONE_LOG=FILE (tests/conftest.py): every test that ran, passed or skipped, is named in FILE
+    once, with the node id `--collect-only` gives it, so that scripts/gpu_check.sh can name the tests a
+    run stopped at its time limit had not finished (the collected ids less these)."""
+    args = ["tests/test_api_errors.py"]
+    rc, collected, out = _collect(args)
+    assert rc == 0 and len(collected) > 3, out
+    done = tmp_path / "done.txt"
+    env = dict(os.environ, SELSCAN_DONE_LOG=str(done))
+    env.pop("SELSCAN_TEST_SHARD", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    names = done.read_text().splitlines()
+    assert sorted(names) == sorted(collected)
