@@ -175,22 +175,23 @@ def _packed_case(dt, seed):
     return err, ok
 
 
-def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused):
+def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused, ops=None, device="cuda"):
     """--initcheck: the block's kernels through its ops, on tensors no cuBLAS product wrote: in_proj's
     output drawn at random, x_proj's and dt_proj's products formed by elementwise products and sums. The
     conv kernel, the gated scan kernel, the backward scan kernel with the gate's derivative and the conv's
     backward kernel (the unfused block); the fused block's kernels (block_xproj and the fused kernel, when
     `fused`) and the backward scan kernel on their checkpoints; the decode step's kernels (decode_mid,
     add_rmsnorm); the packed conv and scan kernels, forward and backward. Returns (worst rel err of a
-    gated y against float64, ok: every output finite and each decode / norm output within its bound)."""
+    gated y against float64, ok: every output finite and each decode / norm output within its bound).
+    `ops` and `device` stand in for torch.ops.selscan_fused and the GPU in tests/test_sanitize_cases.py."""
     from selscan_fused.conv import causal_conv1d_ref
     from selscan_fused.reference import scan_ref
-    ops = torch.ops.selscan_fused
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    ops = torch.ops.selscan_fused if ops is None else ops
+    g = torch.Generator(device=device).manual_seed(seed)
     d_inner, R = 2 * Dm, max(1, -(-Dm // 16))
 
     def rnd(*shape, scale=1.0, dtype=torch.float32):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+        return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
 
     def mm(a, w):  # a @ w.T without cuBLAS: an elementwise product and a sum, rounded to a's dtype
         return (a.float().unsqueeze(-2) * w.float()).sum(-1).to(a.dtype)
@@ -200,7 +201,7 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused):
     cs = rnd(batch, d_inner, W - 1, dtype=dt)
     wx = rnd(R + 2 * N, d_inner, scale=d_inner ** -0.5, dtype=dt)
     dt_w = rnd(d_inner, R, scale=R ** -0.5, dtype=dt)
-    A_log = torch.log(torch.arange(1, N + 1, device="cuda", dtype=torch.float32)).repeat(d_inner, 1)
+    A_log = torch.log(torch.arange(1, N + 1, device=device, dtype=torch.float32)).repeat(d_inner, 1)
     dt_bias, D = rnd(d_inner, scale=0.5) - 3.0, rnd(d_inner)
     h0 = rnd(batch, d_inner, N, scale=0.5)
     xi, z = xz[..., :d_inner], xz[..., d_inner:]
@@ -256,7 +257,7 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused):
         n64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * c64(nw)
         ok = ok and finite(n1, r1) and rel_l2(n1.cpu(), n64) < 1e-2
         # packed: the conv and the gated scan over sequences that restart inside and on the chunks
-        cu = torch.tensor([0] + torch.tensor(PACKED_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0] + torch.tensor(PACKED_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=device)
         T, S = sum(PACKED_LENGTHS), len(PACKED_LENGTHS)
         pxi, pz = rnd(1, T, d_inner, dtype=dt), rnd(1, T, d_inner, dtype=dt)
         pcs, ph0 = rnd(S, d_inner, W - 1), rnd(S, d_inner, N, scale=0.5)
