@@ -212,8 +212,10 @@ def test_done_log_names_every_finished_test(tmp_path):
     assert rc == 0 and len(collected) > 3, out
     done = tmp_path / "done.txt"
     env = dict(os.environ, SELSCAN_DONE_LOG=str(done))
-    env.pop("SELSCAN_TEST_SHARD", None)
-    env.pop("PYTEST_ADDOPTS", None)
+    # this test's own run's settings (under pytest-xdist, PYTEST_XDIST_WORKER would make the inner run's
+    # hook take itself for a worker and write nothing)
+    for name in ("SELSCAN_TEST_SHARD", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "SELSCAN_FAILURE_LOG"):
+        env.pop(name, None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
