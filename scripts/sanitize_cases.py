@@ -366,22 +366,13 @@ def main():
             sys.exit(f"wrong result: {impl} {mode} {batch}x{L}x{Dm}x{N} {cfg}")
         runs += 1
         worst = max(worst, err / TOLERANCE[mode])
-    if args.initcheck and not args.with_key:  # the block's kernels through its ops (no cuBLAS product read)
-        for _, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, ["unfused"]):
+    if not args.with_key:  # the block: through its API, or under initcheck through its ops (no cuBLAS product read)
+        for impl, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, impls):
             torch.set_float32_matmul_precision(prec)
-            err, ok = _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused=(2 * Dm) % 64 == 0)
-            torch.cuda.synchronize()
-            ok = ok and err < BLOCK_TOLERANCE[mode]
-            print(f"block ops {mode:16s} {batch}x{L}x{Dm}x{N} d_conv {W}: rel err {err:.2e} {'ok' if ok else 'WRONG'}",
-                  flush=True)
-            if not ok:
-                sys.exit(f"wrong result: block ops {mode} {batch}x{L}x{Dm}x{N} d_conv {W}")
-            runs += 1
-            worst = max(worst, err / BLOCK_TOLERANCE[mode])
-    if not args.initcheck and not args.with_key:  # the block through the API (initcheck: above, through its ops)
-        for impl, mode, dt, prec, batch, L, Dm, N, W, seed in _block_runs(args, [i for i in impls if i != "ops"]):
-            torch.set_float32_matmul_precision(prec)
-            err, ok = _block_case(impl, dt, batch, L, Dm, N, W, seed)
+            if impl == "ops":
+                err, ok = _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused=(2 * Dm) % 64 == 0)
+            else:
+                err, ok = _block_case(impl, dt, batch, L, Dm, N, W, seed)
             torch.cuda.synchronize()
             ok = ok and err < BLOCK_TOLERANCE[mode]
             print(f"block {impl:8s} {mode:16s} {batch}x{L}x{Dm}x{N} d_conv {W}: rel err {err:.2e} "
@@ -390,6 +381,7 @@ def main():
                 sys.exit(f"wrong result: block {impl} {mode} {batch}x{L}x{Dm}x{N} d_conv {W}")
             runs += 1
             worst = max(worst, err / BLOCK_TOLERANCE[mode])
+    if not args.initcheck and not args.with_key:  # packed sequences through the API (initcheck: in the ops above)
         for mi, (mode, (dt, prec)) in enumerate(MODES.items()):  # packed sequences, the unfused path
             if (args.quick and mi % 3) or (args.rest and not mi % 3) or int(args.shard.split("/")[0]) != 0:
                 continue
