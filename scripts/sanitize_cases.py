@@ -184,8 +184,8 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused, ops=None, dev
     add_rmsnorm); the packed conv and scan kernels, forward and backward. Returns (worst rel err of a
     gated y against float64, ok: every output finite and each decode / norm output within its bound).
     `ops` and `device` stand in for torch.ops.selscan_fused and the GPU in tests/test_sanitize_cases.py."""
-    from selscan_fused.conv import causal_conv1d_ref
-    from selscan_fused.reference import scan_ref
+    from selscan_fused.block_reference import mamba_block_ref, mamba_step_ref
+    from selscan_fused.model import RMSNorm
     ops = torch.ops.selscan_fused if ops is None else ops
     g = torch.Generator(device=device).manual_seed(seed)
     d_inner, R = 2 * Dm, max(1, -(-Dm // 16))
@@ -213,14 +213,13 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused, ops=None, dev
     def finite(*ts):
         return all(bool(torch.isfinite(t).all()) for t in ts if t is not None and t.numel())
 
+    # The float64 references of what lies between in_proj and out_proj: the block's, with both products the
+    # identity (exact in float64), on the CPU (no launch for the tool to slow down).
+    eye_in, eye_out = torch.eye(2 * d_inner, dtype=torch.float64), torch.eye(d_inner, dtype=torch.float64)
+    small64 = [c64(t) for t in (cw, cb, wx, dt_w, dt_bias, A_log, D)]
+
     with torch.no_grad():
-        # float64 on the CPU (no launch for the tool to slow down): the conv, x_proj, dt_proj, the scan and the
-        # gate from the same xz
-        u64, _ = causal_conv1d_ref(c64(xi), c64(cw), c64(cb), c64(cs), activation=True)
-        xdbl64 = u64 @ c64(wx).T
-        delta64 = torch.nn.functional.softplus(xdbl64[..., :R] @ c64(dt_w).T + c64(dt_bias))
-        y64, _ = scan_ref(u64, delta64, c64(A_log), xdbl64[..., R:R + N], xdbl64[..., R + N:], c64(D), c64(h0))
-        y64 = y64 * torch.nn.functional.silu(c64(z))
+        y64, _, _ = mamba_block_ref(c64(xz), eye_in, None, *small64, eye_out, None, c64(h0), c64(cs))
         # the unfused block: the conv kernel, the gated scan, its backward, the conv's backward
         u, conv_T = ops.causal_conv1d_fwd(xi, cw, cb, cs.float(), True, True)
         xdbl = mm(u, wx)
@@ -241,20 +240,14 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused, ops=None, dev
         # the decode step's kernels on one token from the final states, against float64
         cst, sst = conv_T.to(dt).contiguous(), h.clone()
         xz1 = rnd(batch, 2 * d_inner, dtype=dt)
-        win = torch.cat([c64(cst), c64(xz1[:, :d_inner]).unsqueeze(-1)], -1)
-        u1 = torch.nn.functional.silu((win * c64(cw)).sum(-1) + c64(cb))
-        xd1 = u1 @ c64(wx).T
-        dl1 = torch.nn.functional.softplus(xd1[:, :R] @ c64(dt_w).T + c64(dt_bias))
-        s1 = c64(sst) * torch.exp(dl1.unsqueeze(-1) * -torch.exp(c64(A_log))) + \
-            (dl1 * u1).unsqueeze(-1) * xd1[:, R:R + N].unsqueeze(1)
-        y1_64 = (torch.einsum("bdn,bn->bd", s1, xd1[:, R + N:]) + c64(D) * u1) * \
-            torch.nn.functional.silu(c64(xz1[:, d_inner:]))
+        y1_64, _, _ = mamba_step_ref(c64(xz1), c64(cst), c64(sst), eye_in, None, *small64, eye_out, None)
         y1 = ops.decode_mid(xz1, cst, sst, cw, cb, wx, dt_w, dt_bias, A_log, D)
         ok = ok and finite(y1, cst, sst) and rel_l2(y1.cpu(), y1_64) < BLOCK_TOLERANCE["bfloat16"]
         hid, nw = rnd(batch, Dm, dtype=dt), rnd(Dm, dtype=dt)
         n1, r1 = ops.add_rmsnorm(hid, None, nw, 1e-5, True)
-        h64 = c64(hid)
-        n64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * c64(nw)
+        norm64 = RMSNorm(Dm, eps=1e-5, dtype=torch.float64)
+        norm64.weight.copy_(c64(nw))
+        n64 = norm64(c64(hid))
         ok = ok and finite(n1, r1) and rel_l2(n1.cpu(), n64) < 1e-2
         # packed: the conv and the gated scan over sequences that restart inside and on the chunks
         cu = torch.tensor([0] + torch.tensor(PACKED_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=device)
