@@ -3,12 +3,16 @@ head), ms per token, this project's step paths against mamba-ssm's, side by side
 --prefill, the prompt's prefill too (ours on the unfused and fused sequence paths, mamba-ssm's forward).
 
     python benchmarks/decode_bench.py [--sizes 130M,1.4B] [--batches 1,16,64,128] [--reps 50]
+                                      [--paths torch,kernel,kernel-2,mamba-ssm]
                                       [--dtype bf16] [--csv docs/decode_bench.csv]
                                       [--prefill 1,4,16 --prefill-len 2048 --prefill-csv docs/prefill_bench.csv]
 
 Rows per (size, batch):
   torch      MambaLM.step with decode_impl='torch' (selscan_fused.decode: PyTorch operations)
-  kernel     MambaLM.step with decode_impl='kernel' (the decode kernels of csrc/decode/)
+  kernel     MambaLM.step with decode_impl='kernel' (the decode kernels of csrc/decode/: the middle of a
+             layer in one cooperative launch)
+  kernel-2   the same with the middle in two kernels (selscan_fused.decode.KERNEL_MID_LAUNCHES = 2: the
+             ablation of the one launch; bitwise the same tokens)
   mamba-ssm  mamba-ssm's MambaLMHeadModel on the same weights, its decode path (Mamba.step: causal-conv1d's
              update kernel, the Triton selective_state_update, its fused add + RMSNorm), when mamba_ssm,
              causal_conv1d and their kernels import (the peers' build scripts; kept in the git-ignored
@@ -36,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from selscan_fused.block import block_unsupported_reason  # noqa: E402
+import selscan_fused.decode as selscan_decode  # noqa: E402
 from selscan_fused.decode import decode_kernel_reason  # noqa: E402
 from selscan_fused.generation import CUDAGraphStep  # noqa: E402
 from selscan_fused.model import MambaLM, MambaLMConfig  # noqa: E402
@@ -79,14 +84,17 @@ def time_replays(step, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def ours(model: MambaLM, batch: int, impl: str, reps: int):
+def ours(model: MambaLM, batch: int, path: str, reps: int):
     device = model.lm_head.weight.device
     probe = torch.empty(batch, model.config.d_model, device=device, dtype=model.lm_head.weight.dtype)
     m = model.backbone.layers[0].mixer
+    impl = "kernel" if path.startswith("kernel") else path
     if impl == "kernel":
         reason = decode_kernel_reason(probe, m.d_state, m.dt_rank, m.d_conv)
         if reason is not None:
             return None, f"unavailable: {reason}"
+    # the middle's launches, read when the step is captured (below)
+    selscan_decode.KERNEL_MID_LAUNCHES = 2 if path == "kernel-2" else 1
     model.decode_impl = impl
     cache = model.allocate_cache(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, 16), device=device)
@@ -180,10 +188,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--paths", default="torch,kernel,kernel-2,mamba-ssm", help="the rows to measure (comma-separated)")
     ap.add_argument("--prefill", default="", help="batches of a prefill table too (e.g. 1,4,16), prompt --prefill-len")
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--prefill-csv", default=None)
     args = ap.parse_args(argv)
+    unknown = set(args.paths.split(",")) - {"torch", "kernel", "kernel-2", "mamba-ssm"}
+    if unknown:
+        ap.error(f"--paths: unknown {sorted(unknown)}; the rows are torch, kernel, kernel-2, mamba-ssm")
     device = torch.device(args.device)
     rows = []
     print(f"{'size':>5} {'batch':>5} {'path':>10} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'vs mamba-ssm':>12}  status")
@@ -191,9 +203,12 @@ def main(argv=None):
         model = build(size, DTYPES[args.dtype], device)
         for batch in [int(b) for b in args.batches.split(",")]:
             fl = floor_ms(model, batch)
-            results = {p: ours(model, batch, p, args.reps) for p in ("torch", "kernel")}
-            results["mamba-ssm"] = mamba_ssm_step(model, batch, args.reps)
-            peer_ms = results["mamba-ssm"][0]
+            paths = args.paths.split(",")
+            results = {p: ours(model, batch, p, args.reps) for p in ("torch", "kernel", "kernel-2") if p in paths}
+            selscan_decode.KERNEL_MID_LAUNCHES = 1
+            if "mamba-ssm" in paths:
+                results["mamba-ssm"] = mamba_ssm_step(model, batch, args.reps)
+            peer_ms = results.get("mamba-ssm", (None, ""))[0]
             for path, (ms, status) in results.items():
                 row = dict(size=size, batch=batch, path=path, ms_per_token="" if ms is None else f"{ms:.4f}",
                            floor_ms=f"{fl:.6f}", x_floor="" if ms is None else f"{ms / fl:.2f}",

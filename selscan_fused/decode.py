@@ -35,8 +35,8 @@ Paths (`impl=`):
     "torch"   the step in PyTorch operations (about a dozen launches between in_proj and out_proj); any
               device, float64 too
     "kernel"  in_proj and out_proj by the library product, the middle (the conv update, x_proj, dt_proj,
-              the state update, D and the gate) by this project's decode kernels (csrc/decode/: two
-              launches, deterministic); CUDA, float32 / bfloat16 / float16, d_state <= 64, dt_rank <= 256,
+              the state update, D and the gate) by this project's decode kernels (csrc/decode/: one
+              cooperative launch, deterministic); CUDA, float32 / bfloat16 / float16, d_state <= 64, dt_rank <= 256,
               d_conv 2-4. It rounds where the torch path rounds (u, x_proj's and dt_proj's outputs to the
               dtype), so the two agree to float32 summation order.
     "auto"    "kernel" where it runs the step (CUDA, its dtypes and envelope above, contiguous states), else
@@ -44,6 +44,12 @@ Paths (`impl=`):
               the sizes of mamba-130m and mamba-1.4b, batch 1 to 128, on the H200 (docs/perf/decode.md).
 
 selscan_fused.block_reference.mamba_step_ref gives the same math out of place (the reference of both).
+
+KERNEL_MID_LAUNCHES (module attribute, default 1): how the kernel path launches its middle, 1 for both
+phases (the conv with x_proj's partial sums, then dt_proj, the state update and the gate) in one
+cooperative launch with a grid-wide barrier between them, 2 for the two kernels of v2 (an ablation for
+benchmarks/decode_bench.py; bitwise the same results). Read at each step, so at capture time under a
+CUDA graph.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from ._extension import extension_available
 __all__ = ["mamba_block_step", "decode_kernel_reason", "resolve_step_impl", "STEP_IMPLS"]
 
 STEP_IMPLS = ("auto", "kernel", "torch")
+KERNEL_MID_LAUNCHES = 1
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KERNEL_MAX_STATE, _KERNEL_MAX_RANK, _KERNEL_MAX_BATCH = 64, 256, 65535  # csrc/decode/decode_params.h
@@ -187,7 +194,8 @@ def mamba_block_step(
         small = [None if t is None else _cast(t, sdt).contiguous() for t in small]
         y = torch.ops.selscan_fused.decode_mid(xz.contiguous(), conv_state, ssm_state, small[0], small[1],
                                                _cast(x_proj_weight, xdt).contiguous(),
-                                               _cast(dt_proj_weight, xdt).contiguous(), *small[2:])
+                                               _cast(dt_proj_weight, xdt).contiguous(), *small[2:],
+                                               launches=KERNEL_MID_LAUNCHES)
         res = F.linear(y, _cast(out_proj_weight, xdt), _cast(out_proj_bias, xdt))
         if out is None:
             return res
@@ -222,7 +230,7 @@ if _kernel_op_available():
 
     @torch.library.register_fake("selscan_fused::decode_mid")
     def _decode_mid_fake(xz, conv_state, ssm_state, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias,
-                         A_log, D):
+                         A_log, D, launches=1):
         return xz.new_empty((xz.shape[0], A_log.shape[0]))
 
     @torch.library.register_fake("selscan_fused::add_rmsnorm")

@@ -136,24 +136,26 @@ def test_plan_model_reads_the_committed_sweep(capsys):
 
 
 def test_decode_bench_smoke_on_the_cpu(tmp_path):
-    """The decode benchmark's rows on the CPU (tiny model): the torch path measured, the kernel and
-    mamba-ssm's step each saying why they did not run, the floor from the model's bytes."""
+    """The decode benchmark's rows on the CPU (tiny model): the torch path measured, the kernel (both
+    launch forms) and mamba-ssm's step each saying why they did not run, the floor from the model's bytes."""
     import csv
     import decode_bench
     out = tmp_path / "decode.csv"
     rows = decode_bench.main(["--device", "cpu", "--sizes", "tiny", "--batches", "1,3", "--reps", "2", "--dtype",
                               "fp32", "--csv", str(out)])
-    assert [(r["batch"], r["path"]) for r in rows] == [(b, p) for b in (1, 3) for p in ("torch", "kernel", "mamba-ssm")]
+    assert [(r["batch"], r["path"]) for r in rows] == [(b, p) for b in (1, 3) for p in ("torch", "kernel", "kernel-2",
+                                                                                   "mamba-ssm")]
     by = {(r["batch"], r["path"]): r for r in rows}
     assert by[(1, "torch")]["status"].startswith("ok") and float(by[(1, "torch")]["ms_per_token"]) > 0
-    assert by[(1, "kernel")]["status"].startswith("unavailable") and "CUDA" in by[(1, "kernel")]["status"]
+    for path in ("kernel", "kernel-2"):
+        assert by[(1, path)]["status"].startswith("unavailable") and "CUDA" in by[(1, path)]["status"]
     assert by[(1, "mamba-ssm")]["status"].startswith("unavailable")
     # the floor: every parameter's bytes once, plus the states read and written
     model = decode_bench.build("tiny", torch.float32, torch.device("cpu"))
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert float(by[(1, "torch")]["floor_ms"]) > weights / decode_bench.BANDWIDTH * 1e3
     assert float(by[(3, "torch")]["floor_ms"]) > float(by[(1, "torch")]["floor_ms"])
-    assert len(list(csv.DictReader(open(out)))) == 6
+    assert len(list(csv.DictReader(open(out)))) == 8
 
 
 def test_inference_throughput_smoke_on_the_cpu(tmp_path):

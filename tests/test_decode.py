@@ -242,6 +242,37 @@ def test_kernel_sequences_do_not_depend_on_the_batch(d_inner, N, R):
 
 @requires_cuda
 @requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,d_inner,N,R", [(1, 4096, 16, 128), (130, 4096, 16, 128), (37, 1536, 16, 48),
+                                               (3, 600, 64, 160), (6, 333, 10, 5), (2, 72, 4, 16), (9, 96, 32, 3)])
+def test_one_launch_equals_two_launches_bitwise(dtype, batch, d_inner, N, R):
+    """The middle in one cooperative launch (the default) and in two kernels: the same items, so y and
+    both states bitwise equal, over several steps (each step's states carried), at the 1.4B block's
+    sizes (batch 1: fewer items than CTAs; 130: more, each CTA looping over several) and odd ones; every
+    element of y written (the op's buffers come from a cache poisoned with NaN)."""
+    fresh_seed()
+    W = 4 if N != 32 else 2
+    w = block_weights(64, d_inner, N, R, W, dtype=dtype, device="cuda")
+    args = (w["conv_weight"].reshape(d_inner, W).contiguous(), w["conv_bias"], w["x_proj_weight"],
+            w["dt_proj_weight"], w["dt_proj_bias"], w["A_log"], w["D"])
+    conv0 = torch.randn(batch, d_inner, W - 1, device="cuda").to(dtype)
+    ssm0 = torch.randn(batch, d_inner, N, device="cuda")
+    states = {n: (conv0.clone(), ssm0.clone()) for n in (1, 2)}
+    for step in range(3):
+        xz = torch.randn(batch, 2 * d_inner, device="cuda").to(dtype)
+        ys = {}
+        for n in (1, 2):
+            torch.full((4 * batch * 8 * d_inner,), float("nan"), device="cuda")
+            ys[n] = torch.ops.selscan_fused.decode_mid(xz, *states[n], *args, launches=n)
+        assert torch.isfinite(ys[1]).all(), step
+        assert torch.equal(ys[1], ys[2]), step
+        assert torch.equal(states[1][0], states[2][0]) and torch.equal(states[1][1], states[2][1]), step
+    # the states moved (the op ran); the float64 checks above run the default, the one launch
+    assert not torch.equal(states[1][1], ssm0)
+
+
+@requires_cuda
+@requires_extension
 def test_auto_takes_the_kernel_where_it_runs():
     """'auto' is the kernel on CUDA in its envelope with contiguous states (bitwise what impl='kernel'
     gives), the torch path otherwise (float64, a non-contiguous state)."""
@@ -290,6 +321,8 @@ def test_op_errors_name_the_argument():
         op(xz, conv, ssm, args[0].half(), *args[1:])
     with pytest.raises(RuntimeError, match="small parameters"):
         op(xz, conv, ssm, *args[:5], args[5].double(), args[6])
+    with pytest.raises(RuntimeError, match="launches"):
+        op(xz, conv, ssm, *args, launches=3)
     # through the Python entry point: the kernel's envelope, naming the other path
     big = block_weights(64, 128, 80, 4, 4, dtype=torch.float32, device="cuda")
     with pytest.raises(ValueError, match=r"d_state = 80.*use impl='torch'"):

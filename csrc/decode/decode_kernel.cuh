@@ -1,13 +1,15 @@
 // The block's decode step, from in_proj's output to the gated y, for one token per sequence
 // (selscan_fused/decode.py gives the math; selscan_fused.block_reference.mamba_step_ref is its
-// reference). Two kernels (docs/perf/decode.md, "The decode kernels"):
-//   conv_xproj  grid (x tile of kDecodeXTile channels x slice of x_proj's rows, group of kSeqs
+// reference). Two phases (docs/perf/decode.md, "The decode kernels"), each a function of one work item
+// called by its own kernel (two launches) or by decode_step_kernel, which runs both in one cooperative
+// launch with a grid-wide barrier between them (one launch; the same items: bitwise the same results):
+//   conv_xproj  items (x tile of kDecodeXTile channels x slice of x_proj's rows, group of kSeqs
 //               sequences): the conv window and its SiLU for the tile's channels (u rounded to the
 //               dtype, into shared memory; conv_state only read here), then x_proj's partial sums over
 //               the tile for the slice's rows: a warp takes 4 rows at a time, its lanes 16 B of a row
 //               each (coalesced), the 4 x kSeqs sums reduced across the warp by a reduce-scatter of
 //               shuffles, into a (batch, x tiles, R + 2N) float32 workspace.
-//   scan_gate   grid (scan tile of channels, group of kSeqs sequences): the x tiles' partial sums added
+//   scan_gate   items (scan tile of channels, group of kSeqs sequences): the x tiles' partial sums added
 //               in tile order (deterministic: no atomics) and rounded to the dtype (as a library
 //               product writes them); then per channel a group of state_lanes lanes (4 states a lane):
 //               the dt_proj row read 16 B a lane (consecutive lanes, consecutive pieces of the row),
@@ -20,6 +22,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,6 +40,8 @@ constexpr int kXWarps = kXThreads / 32;
 constexpr int kRowBlock = 4;                 // x_proj rows a warp reduces together
 static_assert(kRowBlock * kSeqs == 16, "the reduce-scatter below takes 16 sums a lane");
 constexpr int kScanThreads = 128;            // the second kernel's CTA
+constexpr int kStepThreads = 256;            // the one-launch kernel's CTA (both phases)
+static_assert(kStepThreads == kXThreads, "the one-launch kernel runs the first phase's items as they are");
 static_assert(kDecodeXTile % (32 * 8) == 0, "whole 16 B vectors a lane");
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -159,18 +164,32 @@ __device__ __forceinline__ float warp_reduce_scatter16(float (&a)[16], int lane)
   return a[0] + __shfl_xor_sync(kFull, a[0], 1);
 }
 
+// The shared memory of one CTA: the first phase's u, or the second's x_proj outputs.
+struct __align__(16) ScanShared {
+  float dt[kSeqs][kDecodeMaxRank];
+  float B[kSeqs][kDecodeMaxState];
+  float C[kSeqs][kDecodeMaxState];
+};
+union __align__(16) StepShared {
+  float u[kSeqs][kDecodeXTile];
+  ScanShared scan;
+};
+
+// One item of the first phase: x item `xitem` (x tile xitem % x tiles, row slice xitem / x tiles) for the
+// sequences of group `group`, by kXThreads threads. Ends with a barrier of the CTA (its shared memory
+// free for the next item).
 template <class T>
-__global__ void __launch_bounds__(kXThreads, 2) conv_xproj_kernel(DecodeParams p) {
+__device__ __forceinline__ void conv_xproj_item(const DecodeParams& p, int64_t xitem, int64_t group,
+                                                float (&s_u)[kSeqs][kDecodeXTile]) {
   constexpr int V = 16 / int(sizeof(T));          // elements of a 16 B vector
   constexpr int kVecs = kDecodeXTile / V / 32;     // vectors of a row a lane reads (2; 4 for float)
-  __shared__ __align__(16) float s_u[kSeqs][kDecodeXTile];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t Dn = p.d_inner;
   const int64_t xtiles = decode_xproj_tiles(Dn);
-  const int64_t tile = int64_t(blockIdx.x) % xtiles, slice = int64_t(blockIdx.x) / xtiles;
+  const int64_t tile = xitem % xtiles, slice = xitem / xtiles;
   const int64_t c0 = tile * kDecodeXTile;
   const int cmax = int(Dn - c0 < kDecodeXTile ? Dn - c0 : kDecodeXTile);
-  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
+  const int64_t b0 = group * kSeqs;
   const int nseq = int(p.batch - b0 < kSeqs ? p.batch - b0 : kSeqs);
   const int n_out = p.dt_rank + 2 * p.dstate;
   const int j_begin = int(slice) * p.xproj_rows;
@@ -252,33 +271,43 @@ __global__ void __launch_bounds__(kXThreads, 2) conv_xproj_kernel(DecodeParams p
     // the next rows (the loads issued together: one round trip a row block)
     if (vec && j + kXWarps * kRowBlock < j_end) load_rows<T, kVecs>(tile_w, Dn, j + kXWarps * kRowBlock, j_end, lane, nvec, w);
   }
+  __syncthreads();
+}
+
+template <class T>
+__global__ void __launch_bounds__(kXThreads, 2) conv_xproj_kernel(DecodeParams p) {
+  __shared__ __align__(16) float s_u[kSeqs][kDecodeXTile];
+  conv_xproj_item<T>(p, blockIdx.x, blockIdx.y, s_u);
 }
 
 // ---- scan_gate ----
 
-// kL lanes a channel (a power of two, 4 * kL >= N: lane `sub` of the group holds states 4 sub .. 4 sub + 3);
-// the conv and the gate of sequence q by the group's lane q % kL (its slot q / kL).
-template <class T, int kL>
-__global__ void __launch_bounds__(kScanThreads, 4) scan_gate_kernel(DecodeParams p) {
+// One item of the second phase: scan tile `stile` (scan_passes x kThreads / kL channels) for the
+// sequences of group `group`, by kThreads threads. kL lanes a channel (a power of two, 4 * kL >= N: lane
+// `sub` of the group holds states 4 sub .. 4 sub + 3); the conv and the gate of sequence q by the group's
+// lane q % kL (its slot q / kL). Ends with a barrier of the CTA.
+template <class T, int kL, int kThreads>
+__device__ __forceinline__ void scan_gate_item(const DecodeParams& p, int64_t stile, int64_t group, ScanShared& sh) {
   constexpr int V = 16 / int(sizeof(T));
   constexpr int kSlots = (kSeqs + kL - 1) / kL;  // sequences whose conv and gate a lane takes
-  constexpr int kPerPass = kScanThreads / kL;    // channels a pass
-  __shared__ __align__(16) float s_dt[kSeqs][kDecodeMaxRank];
-  __shared__ float s_B[kSeqs][kDecodeMaxState];
-  __shared__ float s_C[kSeqs][kDecodeMaxState];
+  constexpr int kPerPass = kThreads / kL;        // channels a pass
+  float (&s_dt)[kSeqs][kDecodeMaxRank] = sh.dt;
+  float (&s_B)[kSeqs][kDecodeMaxState] = sh.B;
+  float (&s_C)[kSeqs][kDecodeMaxState] = sh.C;
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t Dn = p.d_inner;
   const int R = p.dt_rank, N = p.dstate, n_out = R + 2 * N;
-  const int64_t b0 = int64_t(blockIdx.y) * kSeqs;
+  const int64_t b0 = group * kSeqs;
   const int nseq = int(p.batch - b0 < kSeqs ? p.batch - b0 : kSeqs);
   const int64_t xtiles = decode_xproj_tiles(Dn);
 
-  // x_proj's outputs for the group's sequences: the x tiles' partial sums in tile order, rounded to T.
-  for (int i = tid; i < nseq * n_out; i += kScanThreads) {
+  // x_proj's outputs for the group's sequences: the x tiles' partial sums in tile order, rounded to T
+  // (read past L1: in the one-launch kernel other CTAs wrote them in this launch).
+  for (int i = tid; i < nseq * n_out; i += kThreads) {
     const int q = i / n_out, jj = i - q * n_out;
     const float* part = p.workspace + (b0 + q) * xtiles * n_out + jj;
     float s = 0.f;
-    for (int64_t t = 0; t < xtiles; ++t) s += part[t * n_out];
+    for (int64_t t = 0; t < xtiles; ++t) s += __ldcg(part + t * n_out);
     s = round_to<T>(s);
     if (jj < R) s_dt[q][jj] = s;
     else if (jj < R + N) s_B[q][jj - R] = s;
@@ -292,7 +321,7 @@ __global__ void __launch_bounds__(kScanThreads, 4) scan_gate_kernel(DecodeParams
   const bool f32 = p.small_fp32;
   const bool vec_dt = R % V == 0 && aligned16(p.dt_proj_weight);
   const bool vec_h = N % 4 == 0 && aligned16(p.ssm_state);
-  const int64_t tile_c0 = int64_t(blockIdx.x) * p.scan_passes * kPerPass;
+  const int64_t tile_c0 = stile * p.scan_passes * kPerPass;
   const int64_t seq_h = Dn * N;           // ssm_state's stride between sequences
 
   for (int pass = 0; pass < p.scan_passes; ++pass) {
@@ -432,6 +461,30 @@ __global__ void __launch_bounds__(kScanThreads, 4) scan_gate_kernel(DecodeParams
       }
     }
   }
+  __syncthreads();
+}
+
+template <class T, int kL>
+__global__ void __launch_bounds__(kScanThreads, 4) scan_gate_kernel(DecodeParams p) {
+  __shared__ __align__(16) ScanShared sm;
+  scan_gate_item<T, kL, kScanThreads>(p, blockIdx.x, blockIdx.y, sm);
+}
+
+// ---- both phases in one launch ----
+
+// A cooperative launch of at most as many CTAs as fit on the GPU at once (decode_mid_launch): each CTA
+// takes the first phase's items blockIdx.x, blockIdx.x + gridDim.x, ... (x item fastest, then the
+// group), then, after a grid-wide barrier (every partial sum written and visible), the second's the same
+// way. The items are those of the two-launch path with its kScanThreads replaced by kStepThreads in the
+// scan tile's width: every result bitwise the same.
+template <class T, int kL>
+__global__ void __launch_bounds__(kStepThreads, 2) decode_step_kernel(DecodeParams p, int64_t x_items, int64_t groups,
+                                                                      int64_t scan_tiles) {
+  __shared__ StepShared sm;
+  for (int64_t i = blockIdx.x; i < x_items * groups; i += gridDim.x) conv_xproj_item<T>(p, i % x_items, i / x_items, sm.u);
+  cooperative_groups::this_grid().sync();
+  for (int64_t i = blockIdx.x; i < scan_tiles * groups; i += gridDim.x)
+    scan_gate_item<T, kL, kStepThreads>(p, i % scan_tiles, i / scan_tiles, sm.scan);
 }
 
 }  // namespace decode

@@ -26,7 +26,7 @@ void check_contiguous(const at::Tensor& t, const char* name) {
 at::Tensor decode_mid(const at::Tensor& xz, at::Tensor conv_state, at::Tensor ssm_state, const at::Tensor& conv_weight,
                       const c10::optional<at::Tensor>& conv_bias, const at::Tensor& x_proj_weight,
                       const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A_log,
-                      const at::Tensor& D) {
+                      const at::Tensor& D, int64_t launches) {
   TORCH_CHECK(xz.is_cuda(), "selscan_fused: decode_mid: xz is on ", xz.device(),
               "; the op needs CUDA tensors (selscan_fused.mamba_block_step(impl='torch') runs anywhere)");
   TORCH_CHECK(xz.dim() == 2, "selscan_fused: decode_mid: xz (in_proj's output) must have shape (batch, 2 d_inner), "
@@ -77,6 +77,8 @@ at::Tensor decode_mid(const at::Tensor& xz, at::Tensor conv_state, at::Tensor ss
   check_contiguous(dt_bias, "dt_bias");
   check_contiguous(A_log, "A_log");
   check_contiguous(D, "D");
+  TORCH_CHECK(launches == 1 || launches == 2, "selscan_fused: decode_mid: launches must be 1 (both phases in one "
+              "cooperative launch) or 2 (two kernels), got ", launches);
 
   const c10::cuda::CUDAGuard guard(xz.device());
   at::Tensor y = at::empty({batch, Dn}, xz.options());
@@ -102,6 +104,7 @@ at::Tensor decode_mid(const at::Tensor& xz, at::Tensor conv_state, at::Tensor ss
   p.ssm_state = ssm_state.data_ptr<float>();
   p.workspace = ws.data_ptr<float>();
   p.y = y.data_ptr();
+  p.launches = int(launches);
   SELSCAN_CUDA_OK(decode_mid_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the decode step launch");
   return y;
 }
@@ -162,9 +165,10 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   // (batch, d_inner) in xz's dtype: the conv update, x_proj, dt_proj, the state update, D and the gate;
   // conv_state (xz's dtype) and ssm_state (float32) advance by one token in place. conv_weight (d_inner,
   // d_conv), conv_bias, dt_bias, A_log and D all in float32 or all in xz's dtype; the two weights in xz's
-  // dtype.
+  // dtype. launches: 1, both phases of csrc/decode/decode_kernel.cuh in one cooperative launch; 2, two
+  // kernels (bitwise the same results).
   m.def("decode_mid(Tensor xz, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor conv_weight, Tensor? conv_bias, "
-        "Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A_log, Tensor D) -> Tensor");
+        "Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A_log, Tensor D, int launches=1) -> Tensor");
   // The model's residual add + RMSNorm for the decode step: (normed (hidden's dtype), residual_out).
   m.def("add_rmsnorm(Tensor hidden, Tensor? residual, Tensor weight, float eps, bool residual_fp32) -> "
         "(Tensor, Tensor)");

@@ -39,9 +39,13 @@ struct DecodeParams {
   float* workspace = nullptr;
   void* y = nullptr;                 // (batch, d_inner), contiguous, dtype
 
+  // 1: both phases in one cooperative launch (decode_step_kernel); 2: the two kernels. The results are
+  // bitwise the same; 1 falls back to 2 where the device cannot take the cooperative launch.
+  int launches = 1;
+
   // The launch's shape, set by decode_mid_launch (callers leave them): x_proj's rows per CTA of the first
-  // kernel (a multiple of 4), the lanes per channel (a power of two, 4 states a lane) and the channel
-  // passes per CTA of the second. The results do not depend on them (bitwise).
+  // phase (a multiple of 4), the lanes per channel (a power of two, 4 states a lane) and the channel
+  // passes per item of the second. The results do not depend on them (bitwise).
   int xproj_rows = 0;
   int state_lanes = 0;
   int scan_passes = 0;
