@@ -65,8 +65,18 @@ def _missing(needs: set):
     return None
 
 
+def threads_per_worker(cpus: int, workers: int) -> int:
+    """torch's CPU threads for one of `workers` pytest-xdist workers on `cpus` cores: an equal share, at
+    least one. (Each worker's torch would otherwise take every core: 14 workers on 16 cores ran 224
+    threads, and the CPU-bound tests, the paper tasks' training runs first, slowed past a suite's limit.)"""
+    return max(1, cpus // max(1, workers))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs(what): skip unless the machine has it (tests/conftest.py)")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(threads_per_worker(os.cpu_count() or 1, workers))
 
 
 # Test files whose GPU tests take the longest (training runs, whole models, long packed batches,

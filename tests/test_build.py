@@ -203,6 +203,25 @@ def test_slowest_test_files_are_collected_first():
     assert order == [t for f in expected for t in alone[f]]
 
 
+def test_xdist_workers_share_the_cpu_threads():
+    """Under pytest-xdist each worker's torch takes an equal share of the cores (tests/conftest.py), not
+    all of them; outside xdist torch keeps its own count."""
+    import conftest
+    assert conftest.threads_per_worker(16, 14) == 1 and conftest.threads_per_worker(16, 4) == 4
+    assert conftest.threads_per_worker(2, 8) == 1 and conftest.threads_per_worker(8, 0) == 8
+    probe = ("import sys, torch; sys.path.insert(0, 'tests'); import conftest\n"
+             "class C:\n    def addinivalue_line(self, *a): pass\n"
+             "torch.set_num_threads(7); conftest.pytest_configure(C()); print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    def threads(**extra):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=dict(env, **extra), capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+    assert threads() == 7
+    assert threads(PYTEST_XDIST_WORKER="gw0", PYTEST_XDIST_WORKER_COUNT="4") == max(1, (os.cpu_count() or 1) // 4)
+
+
 def test_done_log_names_every_finished_test(tmp_path):
     """SELSCAN_DONE_LOG=FILE (tests/conftest.py): every test that ran, passed or skipped, is named in FILE
     once, with the node id `--collect-only` gives it, so that scripts/gpu_check.sh can name the tests a
