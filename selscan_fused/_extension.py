@@ -53,6 +53,20 @@ def fused_extension_available() -> bool:
     return _fused is not None
 
 
+def fused_packed_available() -> bool:
+    """True when the fused kernel takes packed sequences (cu_seqlens): its extension built with
+    SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED, a development switch until that path is verified on
+    a GPU (docs/design.md, "Packed sequences"). Asked of the extension once."""
+    global _fused_packed
+    if _fused_packed is None:
+        _fused_packed = bool(_fused is not None and hasattr(torch.ops.selscan_fused, "fused_packed_built")
+                             and torch.ops.selscan_fused.fused_packed_built())
+    return _fused_packed
+
+
+_fused_packed = None
+
+
 def build_info() -> dict:
     """What the extension was built against (empty when it was never built)."""
     try:

@@ -333,3 +333,51 @@ if fused_extension_available():
     torch.library.register_autograd("selscan_fused::fused_fwd_res", _backward_res, setup_context=_setup_res)
     torch.library.register_autograd("selscan_fused::fused_fwd", _make_backward_plain(True),
                                     setup_context=_setup_plain)
+
+
+def _fused_packed_setup(ctx, inputs, output):
+    """fused_fwd_packed: keep the inputs and the checkpoints (the projections are recomputed)."""
+    x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, _, with_ckpt = inputs
+    ctx.with_ckpt = with_ckpt
+    ctx.save_for_backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _fused_packed_backward(ctx, dy, dhT, *unused):
+    """The fused packed forward's backward, as the fused layer's "recompute" backward for a batch: the
+    projections by one library product, the unfused path's packed backward scan kernel on the fused
+    forward's checkpoints (their packed slot layout is scan_bwd_packed's), then the product's gradients."""
+    if not ctx.with_ckpt:
+        raise RuntimeError("selscan_fused: fused_fwd_packed was called with with_ckpt=False and keeps nothing for "
+                           "a backward; call it with with_ckpt=True (selective_scan does when training)")
+    x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, ckpt = ctx.saved_tensors
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    Dm, N = x.shape[-1], A_log.shape[1]
+    with torch.autocast("cuda", enabled=False):
+        W = torch.cat([W_delta, W_B, W_C], 0)
+        proj = torch.nn.functional.linear(x, W)
+        delta, bc = proj.split([Dm, 2 * N], dim=-1)
+        dP, dx, dA_log, db, dD, dh0, _ = torch.ops.selscan_fused.scan_bwd_packed(
+            delta, bc, x, A_log, b_delta, D, h0, _dy_or_zeros(dy, x), dhT, ckpt, cu_seqlens)
+        dx = dx + torch.matmul(dP, W)
+        dW = weight_grad(dP.reshape(-1, Dm + 2 * N), x.reshape(-1, Dm))
+    dWd, dWb, dWc = dW.split([Dm, N, N], 0)
+    return (dx, dA_log, dWd, db, dWb, dWc, dD, dh0 if h0 is not None else None, None, None, None)
+
+
+if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_fwd_packed"):
+
+    @torch.library.register_fake("selscan_fused::fused_fwd_packed")
+    def _fused_fwd_packed_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, return_final_state,
+                               with_ckpt):
+        _, T, Dm = x.shape
+        N = A_log.shape[1]
+        S = cu_seqlens.shape[0] - 1
+        f32 = dict(dtype=torch.float32)
+        h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
+        ckpt = x.new_empty((1 if with_ckpt else 0, T // CKPT_EVERY + S, Dm, N), **f32)
+        return x.new_empty(x.shape), h, ckpt
+
+    torch.library.register_autograd("selscan_fused::fused_fwd_packed", _fused_packed_backward,
+                                    setup_context=_fused_packed_setup)

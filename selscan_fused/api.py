@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
-from ._extension import extension_available, fused_extension_available, require_extension
+from ._extension import extension_available, fused_extension_available, fused_packed_available, require_extension
 from ._linear import linear
 from .reference import selective_scan_ref
 from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, FLOAT_DTYPES, check_cu_seqlens, check_float_tensor,
@@ -367,8 +367,10 @@ def selective_scan(
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row: a bad value gives wrong sequences, never an access outside the tensors). Paths: 'unfused' (the
     library product, then the scan kernel with one work item per sequence and channel tile, its
-    backward likewise; v0.3.0 development) and 'reference'; 'fused' is an error; 'auto' takes 'unfused'
-    for CUDA tensors it supports (the reference, with a warning, for the rest).
+    backward likewise; v0.3.0 development) and 'reference'; 'fused' is an error, except where the fused
+    kernel is built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, not yet
+    verified on a GPU: docs/design.md); 'auto' takes 'unfused' for CUDA tensors it supports (the
+    reference, with a warning, for the rest).
 
     Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
     in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
@@ -411,13 +413,13 @@ def selective_scan(
     else:
         chosen = resolve_impl(impl, x, N, train)
     if cu_seqlens is not None and chosen != "reference":
-        if impl == "auto":  # the packed kernels are the unfused path's (the fused kernel does not take them)
+        if impl == "auto":  # the unfused path's packed kernels (the fused kernel's are in development)
             if extension_available() and unsupported_reason("unfused", x, N) is None:
                 chosen = "unfused"
             else:
                 chosen = "reference"
                 warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
-        elif chosen != "unfused":
+        elif chosen != "unfused" and not (chosen == "fused" and fused_packed_available()):
             raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     elif impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
@@ -452,6 +454,14 @@ def selective_scan(
         if cfg is not DEFAULT_CONFIG and cfg.l_segments:
             raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their "
                              "scan is never split along L)")
+        if chosen == "fused":  # in development: a build with -DSELSCAN_FUSED_PACKED (fused_packed_available)
+            if fused_only:
+                raise ValueError(f"selscan_fused: ScanConfig({', '.join(cfg.fused_switches())}) does not apply to "
+                                 "packed sequences (their fused kernel has one layout)")
+            with torch.autocast("cuda", enabled=False):
+                y, h, _ = torch.ops.selscan_fused.fused_fwd_packed(x, A_log, W_delta, b_delta, W_B, W_C, D, h0,
+                                                                   cu_seqlens, return_final_state, train)
+            return (y, h) if return_final_state else y
         with torch.autocast("cuda", enabled=False):
             proj = linear(x, torch.cat([W_delta, W_B, W_C], 0))  # weight gradient: _linear.weight_grad
             delta, bc = proj.split([x.shape[-1], 2 * N], dim=-1)  # one concatenation in the backward

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import selscan_fused
 from selscan_fused import Mamba, mamba_block, selective_scan
 from selscan_fused.varlen import CUDA_VARLEN_MESSAGE, check_cu_seqlens
-from conftest import TOLERANCE, fresh_seed, make_inputs, rel_l2, requires_cuda, requires_extension
+from conftest import TOLERANCE, fresh_seed, make_inputs, rel_l2, requires_cuda, requires_extension, requires_hopper
 
 LAYER_ARGS = ("A_log", "W_delta", "b_delta", "W_B", "W_C", "D")
 
@@ -528,6 +528,108 @@ def test_unfused_packed_layer_and_block_against_float64(dtype):
             assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3, BLOCK_NAMES[i]
     for a, b64 in ((xb, x64), (cs, cs64), (hb, hb64)):
         assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3
+
+
+requires_fused_packed = pytest.mark.skipif(
+    not selscan_fused._extension.fused_packed_available(),
+    reason="the fused kernel takes packed sequences only when built with "
+           "SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development)")
+
+
+@requires_cuda
+@requires_hopper
+def test_fused_packed_op_says_how_it_is_built():
+    """Without the build switch the fused packed op refuses, naming the switch and the path to use;
+    with it, impl='fused' takes cu_seqlens."""
+    cu = cu_of([3, 5], "cuda")
+    inp = make_inputs(1, 8, 64, 16, device="cuda")
+    args = [inp["x"]] + [inp[k] for k in LAYER_ARGS]
+    if selscan_fused._extension.fused_packed_available():
+        y = selective_scan(*args, impl="fused", cu_seqlens=cu)
+        assert y.shape == (1, 8, 64) and torch.isfinite(y).all()
+    else:
+        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_PACKED.*impl='unfused'"):
+            torch.ops.selscan_fused.fused_fwd_packed(*args, None, cu, True, False)
+        with pytest.raises(ValueError, match="SELSCAN_FUSED_PACKED"):
+            selective_scan(*args, impl="fused", cu_seqlens=cu)
+
+
+@requires_cuda
+@requires_hopper
+@requires_fused_packed
+@pytest.mark.parametrize("dtype,N", [(torch.bfloat16, 16), (torch.float16, 32), (torch.float32, 32),
+                                     (torch.bfloat16, 64)])
+def test_fused_packed_layer_bitwise_equals_each_sequence_alone(dtype, N, poisoned_outputs):
+    """fused_fwd_packed against the fused kernel on each sequence alone (batch 1, no L split): y, the
+    final state and the checkpoints (in the packed slot layout) bitwise, every element written (NaN-
+    poisoned outputs); sequence starts inside and on the 64- and 128-token tiles, empty sequences (their
+    state passes through), L = 1. At N = 16 a sequence alone of at most 1024 tokens takes the
+    two-warpgroup scan layout, which the packed call does not: those are held to float32 rounding."""
+    from conftest import matmul_precision
+    fresh_seed()
+    lengths = PACKED_MIX
+    S, T, Dm = len(lengths), sum(lengths), 128
+    inp = make_inputs(1, T, Dm, N, device="cuda")
+    x = inp["x"].to(dtype)
+    w = [inp[k].to(dtype) if k in ("W_delta", "W_B", "W_C") else inp[k] for k in LAYER_ARGS]
+    h0 = torch.randn(S, Dm, N, device="cuda")
+    cu = cu_of(lengths, "cuda")
+    ops = torch.ops.selscan_fused
+    with matmul_precision("float32-highest"):
+        y, hT, ckpt = ops.fused_fwd_packed(x, *w, h0, cu, True, True)
+        assert ckpt.shape == (1, T // 64 + S, Dm, N)
+        for t in (y, hT):
+            assert torch.isfinite(t).all()
+        for s, (a, e) in enumerate(_slices(lengths)):
+            if a == e:
+                assert torch.equal(hT[s], h0[s]), s
+                continue
+            ys, hs, ck = ops.fused_fwd_res(x[:, a:e], *w, h0[s:s + 1], 1, False, 0, 64, 0)
+            slot0 = a // 64 + s
+            got_ck = ckpt[0, slot0:slot0 + ck.shape[1]]
+            if N != 16 or e - a > 1024:
+                assert torch.equal(ys, y[:, a:e]), s
+                assert torch.equal(hs[0], hT[s]), s
+                assert torch.equal(ck[0], got_ck), s
+            else:
+                torch.testing.assert_close(y[:, a:e], ys, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+                torch.testing.assert_close(hT[s], hs[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got_ck, ck[0], rtol=1e-5, atol=1e-5)
+        # without h0 or the final state
+        y2, hT2, ck2 = ops.fused_fwd_packed(x, *w, None, cu, False, False)
+        assert hT2.numel() == 0 and ck2.shape[0] == 0 and torch.isfinite(y2).all()
+
+
+@requires_cuda
+@requires_hopper
+@requires_fused_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_packed_layer_against_float64(dtype):
+    """impl='fused' with cu_seqlens, forward and backward (the fused forward's checkpoints into the
+    unfused path's packed backward), against the independent float64 walk."""
+    from conftest import matmul_precision
+    fresh_seed()
+    lengths = [300, 1, 77, 700, 0, 5]
+    S, T = len(lengths), sum(lengths)
+    cu = cu_of(lengths, "cuda")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    inp = make_inputs(1, T, 64, 16, device="cuda")
+    inp["x"] = inp["x"].to(dtype)
+    h0 = torch.randn(S, 64, 16, device="cuda")
+    leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
+    hh = h0.clone().requires_grad_(True)
+    with matmul_precision("float32-highest"):
+        y, hT = selective_scan(*(leaves[k] for k in ("x",) + LAYER_ARGS), h0=hh, impl="fused", cu_seqlens=cu,
+                               return_final_state=True)
+        (y.float().square().sum() + hT.square().sum()).backward()
+    l64 = {k: inp[k].detach().double().cpu().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
+    h64 = h0.double().cpu().requires_grad_(True)
+    y64, hT64 = packed_layer_walk(*(l64[k] for k in ("x",) + LAYER_ARGS), cu.cpu(), h64)
+    (y64.square().sum() + hT64.square().sum()).backward()
+    assert rel_l2(y.cpu(), y64) < tol and rel_l2(hT.cpu(), hT64) < tol
+    for k in ("x",) + LAYER_ARGS:
+        assert rel_l2(leaves[k].grad.cpu(), l64[k].grad) < tol * 3, k
+    assert rel_l2(hh.grad.cpu(), h64.grad) < tol * 3
 
 
 @requires_cuda

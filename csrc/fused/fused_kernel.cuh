@@ -262,7 +262,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       if (kFull) {
         CUTE_UNROLL
         for (int n = 0; n < kNS; ++n)
-          h[ch][n] = p.h0 != nullptr ? p.h0[(s.b * p.dim + d + ch) * kN + n0 + n] : 0.f;
+          h[ch][n] = p.h0 != nullptr ? p.h0[(s.seq * p.dim + d + ch) * kN + n0 + n] : 0.f;
         ws.fold<kNS>(s.seg, s.b, d + ch, n0, A2[ch], h[ch]);  // the earlier segments, in order
       } else {
         CUTE_UNROLL
@@ -272,8 +272,8 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
 
     for (int64_t tile = 0; tile < s.n_tiles * Cfg::kHalves; ++tile) {  // scan tiles
       const int64_t t0 = s.t_begin + tile * kT;
-      if (!sub_tile_live<Cfg>(p, t0)) continue;
-      const int n_valid = int(min_i64(kT, p.seqlen - t0));  // tokens of this tile inside L (may be <= 0)
+      if (!sub_tile_live<Cfg>(p, s, t0)) continue;
+      const int n_valid = int(min_i64(kT, stream_end(p, s) - t0));  // tokens of this tile in the stream (may be <= 0)
       if (kFull && p.z != nullptr && n_valid > 0) prefetch_gate_rows<Cfg>(p, s.b, s.j, t0, tid);
       const int ps = st.hand.stage;
       handoff_wait<Cfg, HandOff::kFull>(ss, st.hand);
@@ -288,7 +288,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
       const float* dtp = Cfg::kNarrow ? &ss.dt[ps][0][2 * c] : &ss.dt[ps][0][c];
       static_assert(kCkptEvery == kT, "a checkpoint at every scan tile");
       if (kFull && p.ckpt != nullptr) {  // the state entering token t0, for the backward
-        float* ck = p.ckpt + ((s.b * ckpt_count(p.seqlen) + t0 / kT) * p.dim + d) * kN + n0;
+        float* ck = p.ckpt + ((s.ckpt0 + (t0 - s.t_origin) / kT) * p.dim + d) * kN + n0;
         CUTE_UNROLL
         for (int ch = 0; ch < kCh; ++ch)
           CUTE_UNROLL
@@ -329,6 +329,10 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
                 dt[j][0] = d2.x; dt[j][1] = d2.y;
               }
               load_vals<kCh>(xp + (tg + j) * Cfg::kDt, xv[j]);
+              if constexpr (kPackedBuild) {  // packed: rows past the sequence hold the next one's x
+                CUTE_UNROLL
+                for (int ch = 0; ch < kCh; ++ch) xv[j][ch] = tg + j < n_valid ? xv[j][ch] : 0.f;
+              }
               CUTE_UNROLL
               for (int ch = 0; ch < kCh; ++ch) dtx[j][ch] = dt[j][ch] * xv[j][ch];
             }
@@ -456,7 +460,7 @@ __device__ __forceinline__ void scan_phase(const FusedParams& p, typename Cfg::X
         ws.publish<kNS>(s.seg, s.b, d + ch, n0, h[ch], sum_dt[ch], g == 0);
       } else if (p.final_state != nullptr && s.seg == p.n_segments - 1) {
         CUTE_UNROLL
-        for (int n = 0; n < kNS; ++n) p.final_state[(s.b * p.dim + d + ch) * kN + n0 + n] = h[ch][n];
+        for (int n = 0; n < kNS; ++n) p.final_state[(s.seq * p.dim + d + ch) * kN + n0 + n] = h[ch][n];
       }
     }
   }
@@ -663,7 +667,7 @@ struct Launcher {
     if (q.ring_stages == 0) q.ring_stages = Cfg::kStages;  // default: every stage that fits
     if (q.ring_stages < 2 || q.ring_stages > Cfg::kStages) return cudaErrorInvalidValue;
     const Args args = fused_args<Cfg, Args>(q, device);
-    const int64_t n_streams = p.batch * (p.dim / Cfg::kDt) * p.n_segments;
+    const int64_t n_streams = (p.cu_seqlens != nullptr ? p.num_seqs : p.batch) * (p.dim / Cfg::kDt) * p.n_segments;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     cfg.gridDim = dim3(unsigned(min_i64(n_streams, sms)));

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/seq_map.h"
 #include "../op_checks.h"
 #include "fused_api.h"
 
@@ -148,6 +149,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_res(
   return run_fused(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, true, l_segments, exp_poly, ring_stages,
                    channel_tile, true);
 }
+
+// Packed sequences (cu_seqlens, int32 (num_seqs + 1,)): x (1, total, D). Returns y (1, total, D), the
+// final states (num_seqs, D, N) (empty unless return_final_state) and, with_ckpt, the checkpoints
+// (1, packed_slots(total, num_seqs, 64), D, N) in scan_bwd_packed's layout (else (0, ...)), so that the
+// unfused path's packed backward serves the fused forward's training step. One stream per (sequence,
+// 64-channel tile), no L split; each sequence's tokens, states and checkpoints as when it runs alone.
+// Only where the kernel is built with -DSELSCAN_FUSED_PACKED (fused_packed_built()).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_packed(
+    const at::Tensor& x_in, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
+    const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    const at::Tensor& cu_seqlens, bool return_final_state, bool with_ckpt) {
+  TORCH_CHECK(fused_packed_built(), "selscan_fused: this build's fused kernel does not take packed sequences "
+              "(cu_seqlens; built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED only): use impl='unfused'");
+  TORCH_CHECK(x_in.dim() == 3 && x_in.size(0) == 1, "selscan_fused: packed sequences take x of shape (1, "
+              "total_tokens, D), got ", x_in.sizes());
+  auto [batch, T, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, c10::nullopt);
+  const int64_t S = check_cu_seqlens_arg(cu_seqlens, x_in, T);
+  if (h0) check_tensor(*h0, "h0", x_in, {S, Dm, N}, at::kFloat, " (one state per sequence: num_seqs from cu_seqlens)");
+  check_fused_envelope(x_in, Dm, N);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor ckpt = at::empty({with_ckpt ? 1 : 0, packed_slots(T, S, kCkptEvery), Dm, N},
+                              x_in.options().dtype(at::kFloat));
+  if (T == 0) {
+    auto [y, hT] = empty_result(x_in, S, Dm, N, h0, return_final_state);
+    return {y, hT, ckpt};
+  }
+  const at::Tensor x = aligned_contiguous(x_in);
+  const at::Tensor Wd = aligned_contiguous(W_delta), Wb = aligned_contiguous(W_B), Wc = aligned_contiguous(W_C);
+  const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(b_delta), D_c = D.contiguous();
+  const at::Tensor cu = cu_seqlens.contiguous();
+  at::Tensor h0_c;
+  if (h0) h0_c = h0->contiguous();
+
+  FusedParams p = make_params(x, 1, T, Dm, N);
+  p.x = x.data_ptr(); p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
+  p.cu_seqlens = cu.data_ptr<int32_t>();
+  p.num_seqs = S;
+  p.channel_tile = 64;
+  p.n_segments = 1;
+  p.seg_len = (T + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;  // picks the long-stream layout
+
+  at::Tensor y = at::empty({1, T, Dm}, x.options());
+  at::Tensor hT = return_final_state ? at::empty({S, Dm, N}, x.options().dtype(at::kFloat))
+                                     : at::empty({0}, x.options().dtype(at::kFloat));
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+    if (ckpt.numel() > 0) ckpt.fill_(NAN);
+  }
+  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch (packed)");
+  return {y, hT, ckpt};
+}
+
+bool fused_packed_built_op() { return fused_packed_built(); }
 
 // [n_segments, seg_len, channel_tile] the fused kernel would use for x's shape.
 std::vector<int64_t> fused_plan_op(const at::Tensor& x, int64_t dstate, int64_t l_segments, int64_t channel_tile) {
@@ -421,6 +481,11 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "Tensor D, Tensor? h0, bool return_final_state, int l_segments, bool exp_poly=False, "
         "int ring_stages=0, int channel_tile=0, int bwd_mode=0) -> (Tensor, Tensor)");
   m.def("fused_plan(Tensor x, int dstate, int l_segments, int channel_tile=0) -> int[]");
+  // Packed sequences (x (1, total, D), cu_seqlens int32 (num_seqs + 1,)): (y, final states, checkpoints
+  // for scan_bwd_packed); only where fused_packed_built() (the kernel built with -DSELSCAN_FUSED_PACKED).
+  m.def("fused_fwd_packed(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
+        "Tensor D, Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool with_ckpt) -> (Tensor, Tensor, Tensor)");
+  m.def("fused_packed_built() -> bool", &selscan::fused_packed_built_op);
   m.def("fused_fwd_res(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0, "
         "int bwd_mode=0) -> (Tensor, Tensor, Tensor)");
@@ -442,6 +507,7 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
+  m.impl("fused_fwd_packed", &selscan::fused_fwd_packed);
   m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);
@@ -451,6 +517,7 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
+  m.impl("fused_fwd_packed", &selscan::fused_fwd_packed);
   m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);

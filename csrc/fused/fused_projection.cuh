@@ -15,6 +15,7 @@
 
 #include "../common/device_math.cuh"
 #include "../common/l_split.h"
+#include "../common/seq_map.h"
 #include "fused_config.h"
 #include "fused_params.h"
 
@@ -144,11 +145,22 @@ __device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
   }
 }
 
-// Streams: (segment, sequence, channel tile), segment-major.
+// Whether this build takes packed sequences (FusedParams::cu_seqlens): -DSELSCAN_FUSED_PACKED. Without
+// it every packed branch below folds away and the kernel is the batch layout's alone.
+#ifdef SELSCAN_FUSED_PACKED
+constexpr bool kPackedBuild = true;
+#else
+constexpr bool kPackedBuild = false;
+#endif
+
+// Streams: (segment, sequence, channel tile), segment-major; packed, (sequence, channel tile).
 struct Stream {
-  int64_t seg, b, j;      // segment, sequence, channel tile
-  int64_t t_begin;        // first token (in the sequence)
+  int64_t seg, b, j;      // segment, sequence (its row of x: 0 when packed), channel tile
+  int64_t seq;            // the sequence: h0's and the final state's index (b, or the packed sequence)
+  int64_t t_begin;        // first token (in x's row)
+  int64_t t_end;          // one past the stream's last token
   int64_t n_tiles;        // token tiles
+  int64_t ckpt0, t_origin;  // the checkpoint of token t is ckpt0 + (t - t_origin) / kCkptEvery
 };
 
 template <class Cfg>
@@ -156,12 +168,34 @@ __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t id
   const int64_t n_ctiles = p.dim / Cfg::kDt;
   Stream s;
   s.j = idx % n_ctiles;
-  s.b = (idx / n_ctiles) % p.batch;
-  s.seg = idx / (n_ctiles * p.batch);
-  s.t_begin = s.seg * p.seg_len;
-  const int64_t t_end = min_i64(p.seqlen, s.t_begin + p.seg_len);
-  s.n_tiles = (t_end - s.t_begin + Cfg::kTM - 1) / Cfg::kTM;  // tensor-core tiles (segments are whole ones)
+  if (kPackedBuild && p.cu_seqlens != nullptr) {
+    s.seq = idx / n_ctiles;
+    s.b = 0;
+    s.seg = 0;
+    // clamped to [0, L] as the scan kernels clamp them (common/seq_map.h): invalid values (validate=False)
+    // give wrong sequences, never an access out of bounds
+    const SeqRange r = seq_range(p.cu_seqlens, s.seq, p.seqlen);
+    s.t_begin = r.start;
+    s.t_end = r.start + r.len;
+    s.ckpt0 = seq_first_slot(r.start, s.seq, kCkptEvery);
+    s.t_origin = r.start;
+  } else {
+    s.b = (idx / n_ctiles) % p.batch;
+    s.seq = s.b;
+    s.seg = idx / (n_ctiles * p.batch);
+    s.t_begin = s.seg * p.seg_len;
+    s.t_end = min_i64(p.seqlen, s.t_begin + p.seg_len);
+    s.ckpt0 = s.b * ckpt_count(p.seqlen);
+    s.t_origin = 0;
+  }
+  s.n_tiles = (s.t_end - s.t_begin + Cfg::kTM - 1) / Cfg::kTM;  // tensor-core tiles (segments are whole ones)
   return s;
+}
+
+// One past the last token that stream s may read or write: L in the batch layout (segments are whole
+// tiles, so within a segment's tiles this is the same as its end), the sequence's end when packed.
+__device__ __forceinline__ int64_t stream_end(const FusedParams& p, const Stream& s) {
+  return kPackedBuild ? s.t_end : p.seqlen;
 }
 
 // K chunks of the products: K / kBK for the layer (D is a multiple of 64); the block's K = R + 2N is
@@ -171,10 +205,10 @@ __device__ __forceinline__ int k_chunks(const FusedParams& p) {
   return int((p.kdim() + Cfg::kBK - 1) / Cfg::kBK);
 }
 
-// Whether the scan tile starting at token t0 holds tokens (the first of every tile does).
+// Whether the scan tile starting at token t0 of stream s holds tokens (the first of every tile does).
 template <class Cfg>
-__device__ __forceinline__ bool sub_tile_live(const FusedParams& p, int64_t t0) {
-  return Cfg::kHalves == 1 || t0 < p.seqlen;
+__device__ __forceinline__ bool sub_tile_live(const FusedParams& p, const Stream& s, int64_t t0) {
+  return Cfg::kHalves == 1 || t0 < stream_end(p, s);
 }
 
 template <class Cfg, class TmaX, class TmaXt, class TmaWd, class TmaWn>
@@ -214,17 +248,27 @@ struct RoleState {
 // ---------------------------------------------------------------------------------------------------
 // Producer: TMA loads.
 
-// One scan x tile (kT tokens x kDt channels): scan tile `t_sub` of sequence b, channel tile j.
+// One scan x tile (kT tokens x kDt channels): the scan tile starting at token t0 of stream s (t0 - t_begin
+// a multiple of kT; in the batch layout t0 itself is).
 template <class Cfg, class Args, class SS>
 __device__ __forceinline__ void load_xt(const Args& a, typename Cfg::XPipe& xpipe, SS& ss,
-                                        cutlass::PipelineState<Cfg::kXStages>& st, int64_t b, int64_t t_sub,
-                                        int64_t j) {
+                                        cutlass::PipelineState<Cfg::kXStages>& st, const Stream& s, int64_t t0) {
   const FusedParams& p = a.p;
   using TE = typename Cfg::TmaElement;
   Tensor sXt = make_tensor(make_smem_ptr(reinterpret_cast<TE*>(ss.xt.begin())), typename Cfg::SmemLayoutXt{});
   Tensor mXt = a.tma_xt.get_tma_tensor(make_shape(int(p.seqlen), int(p.dim), int(p.batch)));
-  Tensor gXt = local_tile(mXt(_, _, int(b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
-                          make_coord(int(t_sub), int(j)));
+  // Packed: the box starts at the sequence's first token, rarely a multiple of kT (FlashAttention-3's
+  // varlen way: the TMA tensor's coordinates offset); rows past the sequence are masked by the scan.
+  auto gXt = [&] {
+    if constexpr (kPackedBuild) {
+      return local_tile(domain_offset(make_coord(int(s.t_begin), 0), mXt(_, _, int(s.b))),
+                        make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
+                        make_coord(int((t0 - s.t_begin) / Cfg::kT), int(s.j)));
+    } else {
+      return local_tile(mXt(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
+                        make_coord(int(t0 / Cfg::kT), int(s.j)));
+    }
+  }();
   auto [tXtg, tXts] = tma_partition(a.tma_xt, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sXt), group_modes<0, 2>(gXt));
   xpipe.producer_acquire(st);
   copy(a.tma_xt.with(*xpipe.producer_get_barrier(st)), tXtg, tXts(_, st.index()));
@@ -238,9 +282,10 @@ __device__ __forceinline__ void xt_phase(const Args& a, typename Cfg::XPipe& xpi
                                          cutlass::PipelineState<Cfg::kXStages>& st, int64_t first, int64_t count) {
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
     const Stream s = decode_stream<Cfg>(a.p, idx);
-    const int64_t t_sub0 = s.t_begin / Cfg::kT;
-    for (int64_t t = 0; t < s.n_tiles * Cfg::kHalves; ++t)
-      if (sub_tile_live<Cfg>(a.p, (t_sub0 + t) * Cfg::kT)) load_xt<Cfg>(a, xpipe, ss, st, s.b, t_sub0 + t, s.j);
+    for (int64_t t = 0; t < s.n_tiles * Cfg::kHalves; ++t) {
+      const int64_t t0 = s.t_begin + t * Cfg::kT;
+      if (sub_tile_live<Cfg>(a.p, s, t0)) load_xt<Cfg>(a, xpipe, ss, st, s, t0);
+    }
   }
 }
 template <class Cfg, bool kReverse = false, class Args, class SS>
@@ -268,10 +313,17 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
     Tensor gWb = local_tile(mWb, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
-      const int t_tile = int((s.t_begin / Cfg::kTM) + (kReverse ? s.n_tiles - 1 - tile : tile));
-      // The operand tiles of every K chunk.
-      Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}),
-                             make_coord(t_tile, _));
+      const int t_rel = int(kReverse ? s.n_tiles - 1 - tile : tile);  // tensor-core tile of the stream
+      // The operand tiles of every K chunk (packed: offset to the sequence's first token, as load_xt).
+      auto gX = [&] {
+        if constexpr (kPackedBuild) {
+          return local_tile(domain_offset(make_coord(int(s.t_begin), 0), mX(_, _, int(s.b))),
+                            make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}), make_coord(t_rel, _));
+        } else {
+          return local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}),
+                            make_coord(int(s.t_begin / Cfg::kTM) + t_rel, _));
+        }
+      }();
       auto [tXg, tXs] = tma_partition(a.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
       for (int k = 0; k < k_tiles; ++k) {
         ring.producer_acquire(st.ring);
@@ -440,7 +492,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       const int64_t t0 = s.t_begin + (kReverse ? s.n_tiles - 1 - tile : tile) * Cfg::kTM;
       // Scan tiles that start past L (only the last tile of a sequence can have one) are skipped by
       // every role: no products, no hand-off, no x tile (sub_tile_live).
-      const bool live_rows1 = sub_tile_live<Cfg>(p, t0 + Cfg::kT);
+      const bool live_rows1 = sub_tile_live<Cfg>(p, s, t0 + Cfg::kT);
       // ---- products over K
       if constexpr (Cfg::k3x) {
         // 3xTF32: each K chunk's three products go to fresh accumulators, added into the running sum
@@ -512,13 +564,13 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
       CUTE_UNROLL
       for (int half = 0; half < Cfg::kHalves; ++half) {
         const int64_t th = t0 + half * Cfg::kT;
-        if (half > 0 && !sub_tile_live<Cfg>(p, th)) break;
+        if (half > 0 && !sub_tile_live<Cfg>(p, s, th)) break;
         const int ps = st.hand.stage;
         handoff_wait<Cfg, HandOff::kEmpty>(ss, st.hand);  // the scan is done with it
         if constexpr (!Cfg::kXtWarp) {
           // float32: this scan tile's x tile. The scan releases its x stage before it frees the
           // hand-off tile, so the acquire does not wait.
-          if (xt_leader) load_xt<Cfg>(a, xpipe, ss, st.xt, s.b, th / Cfg::kT, s.j);
+          if (xt_leader) load_xt<Cfg>(a, xpipe, ss, st.xt, s, th);
         }
         // Narrow layout: dt * x is formed here, from this scan tile's x tile (loaded by warp 1 for
         // the scan, which releases it only after it has read this hand-off tile).
@@ -534,7 +586,7 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
           const int r = get<0>(cAcc(i)) - half * Cfg::kT, c = get<1>(cAcc(i));
           constexpr int kDt = Cfg::kDt, kN = Cfg::kN;
           if ((v / 4) * 8 < kDt) {  // delta columns
-            const bool valid = th + r < p.seqlen;
+            const bool valid = th + r < stream_end(p, s);
             const float2 bc = bias2[v / 4];
             const float v0 = softplus_noselect(acc(i) + bc.x);
             const float v1 = softplus_noselect(acc(i + 1) + bc.y);
@@ -551,10 +603,16 @@ __device__ __forceinline__ void mma_phase(const Args& a, typename Cfg::Ring& rin
             float* bc = (v / 4) * 8 < kDt + kN ? &ss.B[ps][0][0] : &ss.C[ps][0][0];
             *reinterpret_cast<float2*>(bc + (r / 2) * Cfg::kLdBP + (n / 2) * 4 + (r % 2) * 2) =
                 make_float2(acc(i), acc(i + 1));
-          } else if ((v / 4) * 8 < kDt + kN) {
-            *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(acc(i), acc(i + 1));
           } else {
-            *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(acc(i), acc(i + 1));
+            float b0 = acc(i), b1 = acc(i + 1);
+            if constexpr (kPackedBuild) {  // packed: rows past the sequence (the next one's) as zeros
+              if (th + r >= stream_end(p, s)) b0 = b1 = 0.f;
+            }
+            if ((v / 4) * 8 < kDt + kN) {
+              *reinterpret_cast<float2*>(&ss.B[ps][r][c - kDt]) = make_float2(b0, b1);
+            } else {
+              *reinterpret_cast<float2*>(&ss.C[ps][r][c - kDt - kN]) = make_float2(b0, b1);
+            }
           }
         }
         handoff_arrive<Cfg, HandOff::kFull>(ss, st.hand);
