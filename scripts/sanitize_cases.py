@@ -4,7 +4,8 @@ over a grid that has L = 1, odd L, batch 1, the L split (automatic and forced), 
 narrow (16) and wide (64) channel tiles, every N and every dtype / float32 precision; then the Mamba
 block on both paths (BLOCK_GRID: its conv, gate and scan kernels, forward and backward) with three
 decode steps each (the decode kernels, the fused add + RMSNorm), and packed sequences on the unfused
-path (PACKED_LENGTHS: the scan and conv kernels' packed policies). Small sizes: the
+path (PACKED_LENGTHS: the scan and conv kernels' packed policies; the layer's fused path too where the
+fused kernel is built with -DSELSCAN_FUSED_PACKED). Small sizes: the
 tools slow every launch down by orders of magnitude. Checks each result against the float64 evaluation
 too (a tool can change timing, never results).
 
@@ -156,6 +157,15 @@ def _packed_case(dt, seed):
                                                                    "D")), h0=h0.double(), cu_seqlens=cu,
                                        impl="reference")
     err = rel_l2(y.detach(), ref)
+    if selscan_fused._extension.fused_packed_available():  # the fused kernel's packed streams (a build switch)
+        for t in leaves.values():
+            t.grad = None
+        yf, hf = selscan_fused.selective_scan(leaves["x"], leaves["A_log"], leaves["W_delta"], leaves["b_delta"],
+                                              leaves["W_B"], leaves["W_C"], leaves["D"], h0=h0, cu_seqlens=cu,
+                                              impl="fused", return_final_state=True)
+        (yf.float().sum() + hf.sum()).backward()
+        ok = ok and all(bool(torch.isfinite(t.grad).all()) for t in leaves.values())
+        err = max(err, rel_l2(yf.detach(), ref))
     block = selscan_fused.Mamba(32, d_state=16, impl="unfused", device="cuda")
     w = [None if t is None else t.detach() for t in block.weights()]
     low = {0, 1, 4, 5, 9, 10}
@@ -239,10 +249,14 @@ def _block_ops_without_cublas(dt, batch, L, Dm, N, W, seed, fused, ops=None, dev
             err = max(err, rel_l2(yf.cpu(), y64))
         # the decode step's kernels on one token from the final states, against float64
         cst, sst = conv_T.to(dt).contiguous(), h.clone()
+        cst2, sst2 = cst.clone(), sst.clone()
         xz1 = rnd(batch, 2 * d_inner, dtype=dt)
         y1_64, _, _ = mamba_step_ref(c64(xz1), c64(cst), c64(sst), eye_in, None, *small64, eye_out, None)
         y1 = ops.decode_mid(xz1, cst, sst, cw, cb, wx, dt_w, dt_bias, A_log, D)
         ok = ok and finite(y1, cst, sst) and rel_l2(y1.cpu(), y1_64) < BLOCK_TOLERANCE["bfloat16"]
+        # the same step in two kernels (the one-launch form's ablation): bitwise the same
+        y2 = ops.decode_mid(xz1, cst2, sst2, cw, cb, wx, dt_w, dt_bias, A_log, D, launches=2)
+        ok = ok and torch.equal(y1, y2) and torch.equal(cst, cst2) and torch.equal(sst, sst2)
         hid, nw = rnd(batch, Dm, dtype=dt), rnd(Dm, dtype=dt)
         n1, r1 = ops.add_rmsnorm(hid, None, nw, 1e-5, True)
         norm64 = RMSNorm(Dm, eps=1e-5, dtype=torch.float64)

@@ -73,8 +73,9 @@ class FakeOps(types.SimpleNamespace):
         y, h = _gated(delta, xd[..., R:], u, xz[..., d_inner:], A_log, dt_bias, D, h0)
         return y, h, torch.zeros(1), xd
 
-    def decode_mid(self, xz, conv_state, ssm_state, cw, cb, wx, dt_w, dt_bias, A_log, D):
-        """mamba_step_ref with in_proj and out_proj the identity: the step between them."""
+    def decode_mid(self, xz, conv_state, ssm_state, cw, cb, wx, dt_w, dt_bias, A_log, D, launches=1):
+        """mamba_step_ref with in_proj and out_proj the identity: the step between them (either launch form)."""
+        assert launches in (1, 2)
         self.called.add("decode_mid")
         d_inner = A_log.shape[0]
         assert conv_state.dtype == xz.dtype and ssm_state.dtype == torch.float32 and xz.is_contiguous()
