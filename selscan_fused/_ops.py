@@ -381,3 +381,51 @@ if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_fwd_p
 
     torch.library.register_autograd("selscan_fused::fused_fwd_packed", _fused_packed_backward,
                                     setup_context=_fused_packed_setup)
+
+
+def _fused_block_packed_setup(ctx, inputs, output):
+    """fused_block_scan_packed: keep the inputs and the checkpoints (dt_proj's product is recomputed)."""
+    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, _, with_ckpt = inputs
+    ctx.with_ckpt = with_ckpt
+    ctx.save_for_backward(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _fused_block_packed_backward(ctx, dy, dhT, *unused):
+    """As the fused block's backward for a batch, the conv and x_proj left to their own ops' autograd:
+    dt_proj's product recomputed by the library, the packed backward scan kernel with the gate on the
+    fused forward's checkpoints, then dt_proj's gradients."""
+    if not ctx.with_ckpt:
+        raise RuntimeError("selscan_fused: fused_block_scan_packed was called with with_ckpt=False and keeps nothing "
+                           "for a backward; call it with with_ckpt=True (mamba_block does when training)")
+    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, ckpt = ctx.saved_tensors
+    if dhT is not None and dhT.numel() == 0:  # the final state was not returned
+        dhT = None
+    Dm, R = A_log.shape[0], dt_w.shape[1]
+    dt_low, bc = xdbl[..., :R], xdbl[..., R:]
+    with torch.autocast("cuda", enabled=False):
+        delta = torch.nn.functional.linear(dt_low, dt_w)
+        dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd_packed(
+            delta, bc, u, A_log, dt_bias, D, h0, _dy_or_zeros(dy, u), dhT, ckpt, cu_seqlens, gate_z=z)
+        d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
+        d_dt_low = torch.matmul(d_delta, dt_w)
+        d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))
+        dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
+    return (du, dxdbl, dz, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
+
+
+if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_block_scan_packed"):
+
+    @torch.library.register_fake("selscan_fused::fused_block_scan_packed")
+    def _fused_block_scan_packed_fake(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, return_final_state,
+                                      with_ckpt):
+        _, T, Dm = u.shape
+        N = A_log.shape[1]
+        S = cu_seqlens.shape[0] - 1
+        f32 = dict(dtype=torch.float32)
+        h = u.new_empty((S, Dm, N), **f32) if return_final_state else u.new_empty((0,), **f32)
+        ckpt = u.new_empty((1 if with_ckpt else 0, T // CKPT_EVERY + S, Dm, N), **f32)
+        return u.new_empty(u.shape), h, ckpt
+
+    torch.library.register_autograd("selscan_fused::fused_block_scan_packed", _fused_block_packed_backward,
+                                    setup_context=_fused_block_packed_setup)

@@ -36,7 +36,7 @@ from torch import nn
 from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
 from ._extension import extension_available, require_extension
 from ._linear import linear
-from ._extension import fused_extension_available
+from ._extension import fused_extension_available, fused_packed_available
 from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS, UNFUSED_DIM_MULTIPLE,
                   ScanConfig, _sm90, check_config, cuda_input_reason, is_int, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
@@ -232,8 +232,11 @@ def mamba_block(
     sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row). Paths: 'unfused' (the conv kernel's and the scan kernel's packed policies: a run or a work item
-    never crosses a sequence start; v0.3.0 development) and 'reference'; 'fused' is an error; 'auto' takes
-    'unfused' for CUDA tensors it supports (the reference, with a warning, for the rest).
+    never crosses a sequence start; v0.3.0 development) and 'reference'; 'fused' is an error, except where
+    the fused kernel is built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, not yet
+    verified on a GPU: the packed conv and x_proj as on 'unfused', then dt_proj, the scan and the gate in
+    the fused kernel); 'auto' takes 'unfused' for CUDA tensors it supports (the reference, with a warning,
+    for the rest).
     """
     check_config(config)
     packed = cu_seqlens is not None
@@ -258,7 +261,7 @@ def mamba_block(
         x = x.to(torch.get_autocast_dtype("cuda"))
     # 'auto' gives 'unfused' or 'reference', the paths that take packed sequences too
     chosen = resolve_block_impl(impl, x, d_inner, N, W)
-    if packed and chosen not in ("reference", "unfused"):
+    if packed and chosen not in ("reference", "unfused") and not (chosen == "fused" and fused_packed_available()):
         raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
     cfg = config or ScanConfig()
     if cfg.fused_switches():  # on every path
@@ -312,6 +315,17 @@ def mamba_block(
             u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                       _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = linear(u, _as(x_proj_weight, xdt))                                    # (batch, L, R + 2N)
+        if packed and chosen == "fused":  # in development (fused_packed_available: a build switch)
+            # the conv and x_proj above, then dt_proj on the tensor cores, the scan, D and the gate in the
+            # fused kernel over (sequence, channel tile) streams
+            A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
+            dt_w = _as(dt_proj_weight, xdt)
+            train = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (xdbl, u, z, dt_w, A_log, dt_bias, D, h0))
+            y, h, _ = torch.ops.selscan_fused.fused_block_scan_packed(u, xdbl, z, dt_w, A_log, dt_bias, D, h0,
+                                                                      cu_seqlens, return_final_state, train)
+            out = linear(y, _as(out_proj_weight, xdt), _as(out_proj_bias, xdt))
+            return (out, h, conv_T) if return_final_state else out
         delta = linear(xdbl[..., :R], _as(dt_proj_weight, xdt))                      # delta_pre, no bias
         A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)
         # Whether a backward can follow (the scan then keeps its checkpoints).

@@ -115,8 +115,8 @@ def check_per_sequence(name: str, t, shape: tuple, why: Callable[[], str], devic
 
 CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' (its kernels restart the state at "
                        "every sequence start) and impl='reference'; impl='fused' takes it only in a build of the "
-                       "fused kernel with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (the layer; in "
-                       "development, docs/design.md)")
+                       "fused kernel with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, "
+                       "docs/design.md)")
 AUTO_VARLEN_MESSAGE = ("impl='auto' runs these packed sequences (cu_seqlens) on the slow reference: the unfused "
                        "path, whose kernels run packed sequences, does not take these inputs (or the extension "
                        "is not built)")

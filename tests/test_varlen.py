@@ -550,8 +550,16 @@ def test_fused_packed_op_says_how_it_is_built():
     else:
         with pytest.raises(RuntimeError, match="SELSCAN_FUSED_PACKED.*impl='unfused'"):
             torch.ops.selscan_fused.fused_fwd_packed(*args, None, cu, True, False)
+        u, z = torch.randn(1, 8, 64, device="cuda"), torch.randn(1, 8, 64, device="cuda")
+        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_PACKED.*impl='unfused'"):
+            torch.ops.selscan_fused.fused_block_scan_packed(u, torch.randn(1, 8, 36, device="cuda"), z,
+                                                           torch.randn(64, 4, device="cuda"), inp["A_log"],
+                                                           inp["b_delta"], inp["D"], None, cu, True, False)
         with pytest.raises(ValueError, match="SELSCAN_FUSED_PACKED"):
             selective_scan(*args, impl="fused", cu_seqlens=cu)
+        block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
+        with pytest.raises(ValueError, match="SELSCAN_FUSED_PACKED"):
+            mamba_block(torch.randn(1, 8, 32, device="cuda"), *block.weights(), impl="fused", cu_seqlens=cu)
 
 
 @requires_cuda
@@ -630,6 +638,49 @@ def test_fused_packed_layer_against_float64(dtype):
     for k in ("x",) + LAYER_ARGS:
         assert rel_l2(leaves[k].grad.cpu(), l64[k].grad) < tol * 3, k
     assert rel_l2(hh.grad.cpu(), h64.grad) < tol * 3
+
+
+@requires_cuda
+@requires_hopper
+@requires_fused_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_packed_block_against_float64(dtype, poisoned_outputs):
+    """mamba_block(impl='fused', cu_seqlens=) (the packed conv and x_proj, then the fused kernel's packed
+    streams with dt_proj, the scan and the gate) against the independent float64 walk: values, final
+    states and every gradient; and against impl='unfused' on the same weights."""
+    from conftest import matmul_precision
+    fresh_seed()
+    lengths = [300, 1, 77, 700, 0, 5, 130]
+    S, T = len(lengths), sum(lengths)
+    cu = cu_of(lengths, "cuda")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
+    xb = torch.randn(1, T, 32, device="cuda").to(dtype).requires_grad_(True)
+    cs = torch.randn(S, 64, 3, device="cuda").to(dtype).requires_grad_(True)
+    hb = torch.randn(S, 64, 16, device="cuda").requires_grad_(True)
+    low = {0, 1, 4, 5, 9, 10}
+    wd = [None if t is None else (t.detach().to(dtype) if i in low else t.detach()).requires_grad_(True)
+          for i, t in enumerate(block.weights())]
+    with matmul_precision("float32-highest"):
+        out, hT, cT = mamba_block(xb, *wd, h0=hb, conv_state=cs, return_final_state=True, impl="fused",
+                                  cu_seqlens=cu)
+        (out.float().square().sum() + hT.square().sum() + cT.float().square().sum()).backward()
+        out_u = mamba_block(xb.detach(), *(None if t is None else t.detach() for t in wd), h0=hb.detach(),
+                            conv_state=cs.detach(), impl="unfused", cu_seqlens=cu)
+    assert torch.isfinite(out).all() and torch.isfinite(hT).all()
+    assert rel_l2(out, out_u) < tol
+    w64 = [None if t is None else t.detach().double().cpu().requires_grad_(True) for t in wd]
+    x64 = xb.detach().double().cpu().requires_grad_(True)
+    cs64 = cs.detach().double().cpu().requires_grad_(True)
+    hb64 = hb.detach().double().cpu().requires_grad_(True)
+    o64, hT64, cT64 = packed_block_walk(x64, dict(zip(BLOCK_NAMES, w64)), cu.cpu(), hb64, cs64)
+    (o64.square().sum() + hT64.square().sum() + cT64.square().sum()).backward()
+    assert rel_l2(out.cpu(), o64) < tol and rel_l2(hT.cpu(), hT64) < tol and rel_l2(cT.cpu(), cT64) < tol
+    for i, (a, b64) in enumerate(zip(wd, w64)):
+        if a is not None:
+            assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3, BLOCK_NAMES[i]
+    for a, b64 in ((xb, x64), (cs, cs64), (hb, hb64)):
+        assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3
 
 
 @requires_cuda

@@ -147,10 +147,10 @@ cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream) {
   if (p.n_segments < 1 || p.seg_len % kFusedTokenTile != 0 || (p.n_segments > 1 && p.workspace == nullptr))
     return cudaErrorInvalidValue;
   // Packed: this build's kernel must take them; one segment, one row of x, the 64-channel layout (the
-  // narrow one's epilogue and the in-kernel conv are not adapted), no gate.
+  // narrow one's epilogue and the in-kernel conv are not adapted; the block's conv runs before it).
   if (p.cu_seqlens != nullptr &&
       (!fused_packed_built() || p.n_segments != 1 || p.batch != 1 || p.num_seqs < 1 || p.channel_tile != 64 ||
-       p.conv_weight != nullptr || p.z != nullptr))
+       p.conv_weight != nullptr))
     return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kBFloat16: return fused::launch_dtype<::cute::bfloat16_t, false>(p, stream);

@@ -207,6 +207,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_packed(
   return {y, hT, ckpt};
 }
 
+// The block's scan on packed sequences (cu_seqlens; built with -DSELSCAN_FUSED_PACKED only): from the
+// packed conv's output u (1, total, d_inner), x_proj's output xdbl = [dt_low | B | C] (1, total, R + 2N)
+// and the gate z (1, total, d_inner), tokens z_stride apart (the right half of in_proj's output in
+// place): dt_proj on the tensor cores, the scan, D and the gate, as fused_block_fwd's second kernel with
+// its conv outside. Returns (y, final states (num_seqs, d_inner, N) or (0,), checkpoints in the packed
+// slot layout or (0, ...)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_block_scan_packed(
+    const at::Tensor& u_in, const at::Tensor& xdbl, const at::Tensor& z, const at::Tensor& dt_proj_weight,
+    const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
+    const at::Tensor& cu_seqlens, bool return_final_state, bool with_ckpt) {
+  TORCH_CHECK(fused_packed_built(), "selscan_fused: this build's fused kernel does not take packed sequences "
+              "(cu_seqlens; built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED only): use impl='unfused'");
+  TORCH_CHECK(u_in.is_cuda(), "selscan_fused: fused_block_scan_packed: u is on ", u_in.device(),
+              "; impl='fused' needs CUDA tensors");
+  TORCH_CHECK(u_in.dim() == 3 && u_in.size(0) == 1, "selscan_fused: packed sequences take u of shape (1, "
+              "total_tokens, d_inner), got ", u_in.sizes());
+  const auto dt = u_in.scalar_type();
+  to_dtype(dt, "u (fused_block_scan_packed)");
+  TORCH_CHECK(A_log.dim() == 2 && dt_proj_weight.dim() == 2, "selscan_fused: fused_block_scan_packed: A_log and "
+              "dt_proj_weight must be matrices, got ", A_log.sizes(), " and ", dt_proj_weight.sizes());
+  const int64_t T = u_in.size(1), Dm = A_log.size(0), N = A_log.size(1), R = dt_proj_weight.size(1), K = R + 2 * N;
+  const int64_t S = check_cu_seqlens_arg(cu_seqlens, u_in, T);
+  const char* sizes = " (total from u; d_inner and d_state from A_log; dt_rank from dt_proj_weight; num_seqs from "
+                      "cu_seqlens)";
+  check_tensor(u_in, "u (fused_block_scan_packed: the conv's output)", u_in, {1, T, Dm}, dt, sizes);
+  check_tensor(xdbl, "xdbl (fused_block_scan_packed: x_proj's output [dt_low | B | C])", u_in, {1, T, K}, dt, sizes);
+  check_tensor(z, "z (fused_block_scan_packed: the gate)", u_in, {1, T, Dm}, dt, sizes);
+  TORCH_CHECK(z.stride(2) == 1 && (z.stride(1) * z.element_size()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 == 0,
+              "selscan_fused: fused_block_scan_packed: z must have unit channel stride and 16-byte aligned rows, got "
+              "strides ", z.strides());
+  check_tensor(A_log, "A_log (fused_block_scan_packed)", u_in, {Dm, N}, at::kFloat, sizes);
+  check_tensor(dt_bias, "dt_bias (fused_block_scan_packed)", u_in, {Dm}, at::kFloat, sizes);
+  check_tensor(D, "D (fused_block_scan_packed)", u_in, {Dm}, at::kFloat, sizes);
+  check_tensor(dt_proj_weight, "dt_proj_weight (fused_block_scan_packed)", u_in, {Dm, R}, dt, sizes);
+  if (h0) check_tensor(*h0, "h0 (fused_block_scan_packed)", u_in, {S, Dm, N}, at::kFloat, sizes);
+  check_fused_envelope(u_in, Dm, N, "d_inner");
+  const c10::cuda::CUDAGuard guard(u_in.device());
+  const auto f32 = u_in.options().dtype(at::kFloat);
+  at::Tensor ckpt = at::empty({with_ckpt ? 1 : 0, packed_slots(T, S, kCkptEvery), Dm, N}, f32);
+  if (T == 0) {
+    auto [y, hT] = empty_result(u_in, S, Dm, N, h0, return_final_state);
+    return {y, hT, ckpt};
+  }
+  const at::Tensor u = aligned_contiguous(u_in);
+  // The product's K, padded to whole 16-byte rows (TMA), as fused_block_fwd pads it.
+  const int64_t elem = dt == at::kFloat ? 4 : 2, kq = 16 / elem, Kp = (K + kq - 1) / kq * kq;
+  at::Tensor xk = (Kp == K) ? aligned_contiguous(xdbl) : at::constant_pad_nd(xdbl, {0, Kp - K}, 0).contiguous();
+  at::Tensor Wd = at::zeros({Dm, Kp}, u.options()), Wb = at::zeros({N, Kp}, u.options()),
+             Wc = at::zeros({N, Kp}, u.options());
+  Wd.narrow(1, 0, R).copy_(dt_proj_weight);
+  const at::Tensor eye = at::eye(N, u.options());
+  Wb.narrow(1, R, N).copy_(eye);
+  Wc.narrow(1, R + N, N).copy_(eye);
+  const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
+  const at::Tensor cu = cu_seqlens.contiguous();
+  at::Tensor h0_c;
+  if (h0) h0_c = h0->contiguous();
+
+  FusedParams p = make_params(u, 1, T, Dm, N);
+  p.fp32_3xtf32 = true;  // B and C through the identity rows to float32 accuracy, as fused_block_fwd
+  p.x = u.data_ptr();
+  p.xk = xk.data_ptr(); p.k_dim = Kp;
+  p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
+  p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
+  p.z = z.data_ptr(); p.z_stride = z.stride(1);
+  p.cu_seqlens = cu.data_ptr<int32_t>();
+  p.num_seqs = S;
+  p.channel_tile = 64;
+  p.n_segments = 1;
+  p.seg_len = (T + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;
+  at::Tensor y = at::empty({1, T, Dm}, u.options());
+  at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{S, Dm, N} : at::IntArrayRef{0}, f32);
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+    if (ckpt.numel() > 0) ckpt.fill_(NAN);
+  }
+  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
+                  "the fused kernel launch (block, packed)");
+  return {y, hT, ckpt};
+}
+
 bool fused_packed_built_op() { return fused_packed_built(); }
 
 // [n_segments, seg_len, channel_tile] the fused kernel would use for x's shape.
@@ -485,6 +572,9 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
   // for scan_bwd_packed); only where fused_packed_built() (the kernel built with -DSELSCAN_FUSED_PACKED).
   m.def("fused_fwd_packed(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool with_ckpt) -> (Tensor, Tensor, Tensor)");
+  m.def("fused_block_scan_packed(Tensor u, Tensor xdbl, Tensor z, Tensor dt_proj_weight, Tensor A_log, "
+        "Tensor dt_bias, Tensor D, Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool with_ckpt) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("fused_packed_built() -> bool", &selscan::fused_packed_built_op);
   m.def("fused_fwd_res(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, int l_segments, bool exp_poly=False, int ring_stages=0, int channel_tile=0, "
@@ -508,6 +598,7 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
 
 TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
   m.impl("fused_fwd_packed", &selscan::fused_fwd_packed);
+  m.impl("fused_block_scan_packed", &selscan::fused_block_scan_packed);
   m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);
@@ -518,6 +609,7 @@ TORCH_LIBRARY_IMPL(selscan_fused, CUDA, m) {
 
 TORCH_LIBRARY_IMPL(selscan_fused, CPU, m) {
   m.impl("fused_fwd_packed", &selscan::fused_fwd_packed);
+  m.impl("fused_block_scan_packed", &selscan::fused_block_scan_packed);
   m.impl("fused_block_fwd", &selscan::fused_block_fwd);
   m.impl("fused_fwd", &selscan::fused_fwd);
   m.impl("fused_bwd", &selscan::fused_bwd);
