@@ -523,7 +523,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_kernel(const __grid_co
     st.xt = cutlass::make_producer_start_state<XPipe>();
   }
   if (!Cfg::kXtWarp && wg == 1) st.xt = cutlass::make_producer_start_state<XPipe>();
-  const int64_t streams_per_seg = p.batch * (p.dim / Cfg::kDt);
+  // (packed: one stream per sequence and channel tile, one segment)
+  const int64_t streams_per_seg =
+      (kPackedBuild && p.cu_seqlens != nullptr ? p.num_seqs : p.batch) * (p.dim / Cfg::kDt);
   const int64_t n_phase1 = streams_per_seg * (p.n_segments - 1);
   const int64_t n_all = streams_per_seg * p.n_segments;
   // Phase 1 (L split only): segments but the last, scanned from zero, end states to the workspace;
