@@ -1,5 +1,7 @@
 """Packed variable-length sequences (cu_seqlens) against their alternatives, side by side in one run: the
-Mamba block (selscan_fused.Mamba, impl='unfused') on a mix of sequence lengths
+Mamba block (selscan_fused.Mamba) on a mix of sequence lengths, for each of --impls (default unfused;
+fused: its packed row runs where the fused kernel is built with -DSELSCAN_FUSED_PACKED, in development,
+and says why not elsewhere)
 
     packed    the sequences packed in one row with cu_seqlens (the state restarts at every start)
     one       one sequence of the same total length (the floor a packed batch is held to: within 5%)
@@ -10,7 +12,7 @@ warm-up. The mix: --lengths, or --num-seqs lengths drawn from a log-normal with 
 [16, 16384] (seeded), the project's realistic mix.
 
     python benchmarks/varlen_bench.py [--d-model 768] [--num-seqs 16] [--lengths 100,2000,...]
-                                      [--reps 20] [--seed 0] [--csv docs/varlen_bench.csv]
+                                      [--impls unfused,fused] [--reps 20] [--seed 0] [--csv docs/varlen_bench.csv]
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from selscan_fused.block import block_unsupported_reason  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import median_ms  # noqa: E402
 
-FIELDS = ["layout", "tokens", "num_seqs", "longest", "fwd_ms", "step_ms", "fwd_vs_one", "step_vs_one", "status"]
+FIELDS = ["impl", "layout", "tokens", "num_seqs", "longest", "fwd_ms", "step_ms", "fwd_vs_one", "step_vs_one", "status"]
 
 
 def draw_lengths(n: int, seed: int) -> list[int]:
@@ -53,15 +55,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--impls", default="unfused", help="the block's paths, comma-separated: unfused, fused")
     args = ap.parse_args(argv)
+    impls = args.impls.split(",")
+    if set(impls) - {"unfused", "fused"}:
+        ap.error(f"--impls: unknown {sorted(set(impls) - {'unfused', 'fused'})}; the paths are unfused, fused")
     lengths = [int(v) for v in args.lengths.split(",")] if args.lengths else draw_lengths(args.num_seqs, args.seed)
     T, S, longest = sum(lengths), len(lengths), max(lengths)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
-    block = selscan_fused.Mamba(args.d_model, impl="unfused", device=device, dtype=dtype)
+    block = selscan_fused.Mamba(args.d_model, device=device, dtype=dtype)
     probe = torch.empty(1, 1, args.d_model, device=device, dtype=dtype)
-    reason = block_unsupported_reason("unfused", probe, block.d_inner, block.d_state, block.d_conv)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     layouts = {
         "packed": (torch.randn(1, T, args.d_model, device=device, dtype=dtype), dict(cu_seqlens=cu, validate=False)),
@@ -70,34 +75,42 @@ def main(argv=None):
     }
     rows = []
     print(f"{S} sequences, {T} tokens, longest {longest}: {lengths}")
-    results = {}
-    for name, (x, kw) in layouts.items():
-        row = dict(layout=name, tokens=x.shape[0] * x.shape[1], num_seqs=S if name != "one" else 1,
-                   longest=longest if name != "one" else T, fwd_ms="", step_ms="", fwd_vs_one="", step_vs_one="")
-        if reason is not None:
-            row["status"] = f"unavailable: {reason}"
-        else:
-            g = torch.randn_like(x)
-            xr = x.clone().requires_grad_(True)
+    for impl in impls:
+        block.impl = impl
+        reason = block_unsupported_reason(impl, probe, block.d_inner, block.d_state, block.d_conv)
+        results = {}
+        for name, (x, kw) in layouts.items():
+            row = dict(impl=impl, layout=name, tokens=x.shape[0] * x.shape[1], num_seqs=S if name != "one" else 1,
+                       longest=longest if name != "one" else T, fwd_ms="", step_ms="", fwd_vs_one="",
+                       step_vs_one="")
+            why = reason
+            if why is None and impl == "fused" and name == "packed" and \
+                    not selscan_fused._extension.fused_packed_available():
+                why = "the fused kernel is not built with -DSELSCAN_FUSED_PACKED (packed sequences, in development)"
+            if why is not None:
+                row["status"] = f"unavailable: {why}"
+            else:
+                g = torch.randn_like(x)
+                xr = x.clone().requires_grad_(True)
 
-            def fwd():
-                with torch.no_grad():
-                    block(x, **kw)
+                def fwd():
+                    with torch.no_grad():
+                        block(x, **kw)
 
-            def step():
-                block(xr, **kw).backward(g)
+                def step():
+                    block(xr, **kw).backward(g)
 
-            results[name] = (time_ms(fwd, args.reps), time_ms(step, args.reps))
-            row.update(fwd_ms=f"{results[name][0]:.4f}", step_ms=f"{results[name][1]:.4f}", status="ok")
-        rows.append(row)
-    if "one" in results:
-        for row in rows:
-            if row["layout"] in results:
-                f, s_ = results[row["layout"]]
-                row.update(fwd_vs_one=f"{f / results['one'][0]:.3f}", step_vs_one=f"{s_ / results['one'][1]:.3f}")
+                results[name] = (time_ms(fwd, args.reps), time_ms(step, args.reps))
+                row.update(fwd_ms=f"{results[name][0]:.4f}", step_ms=f"{results[name][1]:.4f}", status="ok")
+            rows.append(row)
+        if "one" in results:  # each path against its own one sequence
+            for row in rows:
+                if row["impl"] == impl and row["layout"] in results:
+                    f, s_ = results[row["layout"]]
+                    row.update(fwd_vs_one=f"{f / results['one'][0]:.3f}", step_vs_one=f"{s_ / results['one'][1]:.3f}")
     for row in rows:
-        print(f"{row['layout']:>7}: forward {row['fwd_ms'] or '-':>9} ms ({row['fwd_vs_one'] or '-'} x one), "
-              f"step {row['step_ms'] or '-':>9} ms ({row['step_vs_one'] or '-'} x one)  {row['status']}")
+        print(f"{row['impl']:>7} {row['layout']:>7}: forward {row['fwd_ms'] or '-':>9} ms ({row['fwd_vs_one'] or '-'} "
+              f"x one), step {row['step_ms'] or '-':>9} ms ({row['step_vs_one'] or '-'} x one)  {row['status']}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)

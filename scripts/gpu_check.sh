@@ -218,7 +218,7 @@ for what in block decode varlen throughput profile; do
     block) run=(benchmarks/block_bench.py --impls unfused,fused,mamba-ssm --csv "$LOG/block_bench.csv") ;;
     decode) run=(benchmarks/decode_bench.py --csv "$LOG/decode_bench.csv" --prefill 1,4,16
                  --prefill-csv "$LOG/prefill_bench.csv") ;;
-    varlen) run=(benchmarks/varlen_bench.py --csv "$LOG/varlen_bench.csv") ;;
+    varlen) run=(benchmarks/varlen_bench.py --impls unfused,fused --csv "$LOG/varlen_bench.csv") ;;
     throughput) run=(benchmarks/inference_throughput.py --csv "$LOG/inference_throughput.csv"
                      --png "$LOG/inference_throughput.png") ;;
     profile) run=(benchmarks/block_bench.py --impls unfused,fused --sizes 130M --shapes 8x2048,1x16384

@@ -181,7 +181,12 @@ def test_varlen_bench_smoke_on_the_cpu():
     lengths = varlen_bench.draw_lengths(200, 3)
     assert lengths == varlen_bench.draw_lengths(200, 3) and min(lengths) >= 16 and max(lengths) <= 16384
     assert 700 < sorted(lengths)[100] < 1500  # the median
-    rows = varlen_bench.main(["--device", "cpu", "--d-model", "16", "--lengths", "5,9,1", "--reps", "1"])
-    assert [r["layout"] for r in rows] == ["packed", "one", "padded"]
-    assert all(r["status"].startswith("unavailable") and "CUDA" in r["status"] for r in rows)
-    assert [r["tokens"] for r in rows] == [15, 15, 27]
+    rows = varlen_bench.main(["--device", "cpu", "--d-model", "16", "--lengths", "5,9,1", "--reps", "1",
+                              "--impls", "unfused,fused"])
+    assert [(r["impl"], r["layout"]) for r in rows] == [(i, lay) for i in ("unfused", "fused")
+                                                        for lay in ("packed", "one", "padded")]
+    assert all(r["status"].startswith("unavailable") for r in rows)
+    assert all("CUDA" in r["status"] for r in rows if r["impl"] == "unfused")
+    assert [r["tokens"] for r in rows] == [15, 15, 27] * 2
+    with pytest.raises(SystemExit):
+        varlen_bench.main(["--device", "cpu", "--impls", "unfused,bogus"])
