@@ -249,6 +249,16 @@ if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed")
     torch.library.register_autograd("selscan_fused::scan_fwd_packed", _packed_backward, setup_context=_packed_setup)
 
 
+def _xdbl_grads(dP, dt_low, dt_w):
+    """The block's dt_proj backward from the scan's dP = [d delta_pre | d B | d C]: (the gradient of x_proj's
+    output [dt_low | B | C], the gradient of dt_proj's weight)."""
+    Dm, R = dt_w.shape
+    d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
+    d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
+    d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)
+    return torch.cat([d_dt_low, d_bc], dim=-1), d_dt_w
+
+
 def _fused_block_setup(ctx, inputs, output):
     """fused_block_fwd: keep what the backward needs: in_proj's output xz (u is recomputed from it),
     x_proj's output (made by the op or given) and the checkpoints (y before the gate is recomputed by the
@@ -281,10 +291,7 @@ def _fused_block_backward(ctx, dy, dhT, d_ckpt, d_xdbl_out):
         delta = torch.nn.functional.linear(dt_low, dt_w)
         dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd(
             delta, bc, u, A_log, dt_bias, D, h0, _dy_or_zeros(dy, u), dhT, ckpt, ctx.l_segments, gate_z=z)
-        d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
-        d_dt_low = torch.matmul(d_delta, dt_w)                                        # (batch, L, R)
-        d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))         # (d_inner, R)
-        dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
+        dxdbl, d_dt_w = _xdbl_grads(dP, dt_low, dt_w)
         if d_xdbl_out is not None and d_xdbl_out.numel() > 0:
             dxdbl = dxdbl + d_xdbl_out
         d_wx = d_xdbl_in = None
@@ -401,16 +408,13 @@ def _fused_block_packed_backward(ctx, dy, dhT, *unused):
     u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, ckpt = ctx.saved_tensors
     if dhT is not None and dhT.numel() == 0:  # the final state was not returned
         dhT = None
-    Dm, R = A_log.shape[0], dt_w.shape[1]
+    R = dt_w.shape[1]
     dt_low, bc = xdbl[..., :R], xdbl[..., R:]
     with torch.autocast("cuda", enabled=False):
         delta = torch.nn.functional.linear(dt_low, dt_w)
         dP, du, dA_log, db, dD, dh0, dz = torch.ops.selscan_fused.scan_bwd_packed(
             delta, bc, u, A_log, dt_bias, D, h0, _dy_or_zeros(dy, u), dhT, ckpt, cu_seqlens, gate_z=z)
-        d_delta, d_bc = dP[..., :Dm], dP[..., Dm:]
-        d_dt_low = torch.matmul(d_delta, dt_w)
-        d_dt_w = weight_grad(d_delta.reshape(-1, Dm), dt_low.reshape(-1, R))
-        dxdbl = torch.cat([d_dt_low, d_bc], dim=-1)
+        dxdbl, d_dt_w = _xdbl_grads(dP, dt_low, dt_w)
     return (du, dxdbl, dz, d_dt_w, dA_log, db, dD, dh0 if h0 is not None else None, None, None, None)
 
 

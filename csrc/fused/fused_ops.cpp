@@ -150,6 +150,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_res(
                    channel_tile, true);
 }
 
+// The block's product on the tensor cores: xk = [dt_low | B | C] (x_proj's output) padded to whole
+// 16-byte rows Kp (TMA; the padding columns are zeros on both sides), against W_delta = [dt_proj's
+// weight | 0], W_B = [0 | I | 0] and W_C = [0 | 0 | I] (FusedParams, "The Mamba block").
+struct BlockOperands {
+  at::Tensor xk, Wd, Wb, Wc;
+  int64_t Kp = 0;
+};
+
+BlockOperands block_operands(const at::Tensor& xdbl, const at::Tensor& dt_proj_weight, int64_t N,
+                             const at::TensorOptions& options) {
+  const int64_t Dm = dt_proj_weight.size(0), R = dt_proj_weight.size(1), K = R + 2 * N;
+  const int64_t kq = 16 / int64_t(xdbl.element_size());
+  BlockOperands o;
+  o.Kp = (K + kq - 1) / kq * kq;
+  o.xk = (o.Kp == K) ? aligned_contiguous(xdbl) : at::constant_pad_nd(xdbl, {0, o.Kp - K}, 0).contiguous();
+  o.Wd = at::zeros({Dm, o.Kp}, options);
+  o.Wb = at::zeros({N, o.Kp}, options);
+  o.Wc = at::zeros({N, o.Kp}, options);
+  o.Wd.narrow(1, 0, R).copy_(dt_proj_weight);
+  const at::Tensor eye = at::eye(N, options);
+  o.Wb.narrow(1, R, N).copy_(eye);
+  o.Wc.narrow(1, R + N, N).copy_(eye);
+  return o;
+}
+
 // Packed sequences (cu_seqlens, int32 (num_seqs + 1,)): x (1, total, D). Returns y (1, total, D), the
 // final states (num_seqs, D, N) (empty unless return_final_state) and, with_ckpt, the checkpoints
 // (1, packed_slots(total, num_seqs, 64), D, N) in scan_bwd_packed's layout (else (0, ...)), so that the
@@ -252,15 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_block_scan_packed(
     return {y, hT, ckpt};
   }
   const at::Tensor u = aligned_contiguous(u_in);
-  // The product's K, padded to whole 16-byte rows (TMA), as fused_block_fwd pads it.
-  const int64_t elem = dt == at::kFloat ? 4 : 2, kq = 16 / elem, Kp = (K + kq - 1) / kq * kq;
-  at::Tensor xk = (Kp == K) ? aligned_contiguous(xdbl) : at::constant_pad_nd(xdbl, {0, Kp - K}, 0).contiguous();
-  at::Tensor Wd = at::zeros({Dm, Kp}, u.options()), Wb = at::zeros({N, Kp}, u.options()),
-             Wc = at::zeros({N, Kp}, u.options());
-  Wd.narrow(1, 0, R).copy_(dt_proj_weight);
-  const at::Tensor eye = at::eye(N, u.options());
-  Wb.narrow(1, R, N).copy_(eye);
-  Wc.narrow(1, R + N, N).copy_(eye);
+  const BlockOperands ops = block_operands(xdbl, dt_proj_weight, N, u.options());
   const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
   const at::Tensor cu = cu_seqlens.contiguous();
   at::Tensor h0_c;
@@ -269,8 +286,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_block_scan_packed(
   FusedParams p = make_params(u, 1, T, Dm, N);
   p.fp32_3xtf32 = true;  // B and C through the identity rows to float32 accuracy, as fused_block_fwd
   p.x = u.data_ptr();
-  p.xk = xk.data_ptr(); p.k_dim = Kp;
-  p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.xk = ops.xk.data_ptr(); p.k_dim = ops.Kp;
+  p.W_delta = ops.Wd.data_ptr(); p.W_B = ops.Wb.data_ptr(); p.W_C = ops.Wc.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   p.z = z.data_ptr(); p.z_stride = z.stride(1);
@@ -511,16 +528,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
     q.weight = wx.data_ptr(); q.out = xdbl.data_ptr();
     SELSCAN_CUDA_OK(block_xproj_launch(q, stream), "the fused block's x_proj kernel launch");
   }
-  const at::Tensor& xd = x_proj_weight ? xdbl : *xdbl_in;
-  // The product's K, padded to whole 16-byte rows (TMA); the padding columns are zeros on both sides.
-  const int64_t elem = dt == at::kFloat ? 4 : 2, kq = 16 / elem, Kp = (K + kq - 1) / kq * kq;
-  at::Tensor xk = (Kp == K) ? aligned_contiguous(xd) : at::constant_pad_nd(xd, {0, Kp - K}, 0).contiguous();
-  at::Tensor Wd = at::zeros({Dm, Kp}, xz.options()), Wb = at::zeros({N, Kp}, xz.options()),
-             Wc = at::zeros({N, Kp}, xz.options());
-  Wd.narrow(1, 0, R).copy_(dt_proj_weight);
-  const at::Tensor eye = at::eye(N, xz.options());
-  Wb.narrow(1, R, N).copy_(eye);
-  Wc.narrow(1, R + N, N).copy_(eye);
+  const BlockOperands ops = block_operands(x_proj_weight ? xdbl : *xdbl_in, dt_proj_weight, N, xz.options());
+  const int64_t elem = dt == at::kFloat ? 4 : 2;
   const at::Tensor A_c = A_log.contiguous(), b_c = aligned_contiguous(dt_bias), D_c = D.contiguous();
   at::Tensor h0_c;
   if (h0) h0_c = h0->contiguous();
@@ -532,8 +541,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
   p.x = xz.data_ptr(); p.x_token_stride = 2 * Dm;
   p.conv_weight = cw.data_ptr<float>(); p.conv_bias = conv_bias ? cb.data_ptr<float>() : nullptr;
   p.conv_state = conv_state ? cs.data_ptr<float>() : nullptr; p.conv_width = int(W);
-  p.xk = xk.data_ptr(); p.k_dim = Kp;
-  p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
+  p.xk = ops.xk.data_ptr(); p.k_dim = ops.Kp;
+  p.W_delta = ops.Wd.data_ptr(); p.W_B = ops.Wb.data_ptr(); p.W_C = ops.Wc.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   p.z = static_cast<const char*>(xz.data_ptr()) + Dm * elem; p.z_stride = 2 * Dm;
