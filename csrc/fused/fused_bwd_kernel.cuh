@@ -162,7 +162,7 @@ __device__ __forceinline__ void xdy_phase(const Args& a, typename Tr::Cfg::XPipe
   Tensor mX = a.tma_xt.get_tma_tensor(make_shape(L, Dm, Bt));
   Tensor mD = a.tma_dyt.get_tma_tensor(make_shape(L, Dm, Bt));
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
-    const Stream s = decode_stream<Cfg>(p, idx);
+    const Stream s = decode_stream<Cfg, false>(p, idx);  // never packed
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int t_sub = int(s.t_begin / Cfg::kT + (s.n_tiles - 1 - tile));
       Tensor gX = local_tile(mX(_, _, int(s.b)), make_shape(typename Cfg::BlkT{}, typename Cfg::BlkDt{}),
@@ -231,7 +231,7 @@ __device__ __forceinline__ void bwd_scan_phase(const Args& a, typename Tr::Cfg::
   TE* const dxo = static_cast<TE*>(q.dx);
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
-    const Stream s = decode_stream<Cfg>(p, idx);
+    const Stream s = decode_stream<Cfg, false>(p, idx);  // never packed
     const int64_t d = s.j * kDc + c;
     BwdStreamState<Tr> it;
 #pragma unroll

@@ -163,12 +163,14 @@ struct Stream {
   int64_t ckpt0, t_origin;  // the checkpoint of token t is ckpt0 + (t - t_origin) / kCkptEvery
 };
 
-template <class Cfg>
+// kPacked false: the batch layout only (the fused backward kernel, which never runs packed streams,
+// keeps its registers).
+template <class Cfg, bool kPacked = kPackedBuild>
 __device__ __forceinline__ Stream decode_stream(const FusedParams& p, int64_t idx) {
   const int64_t n_ctiles = p.dim / Cfg::kDt;
   Stream s;
   s.j = idx % n_ctiles;
-  if (kPackedBuild && p.cu_seqlens != nullptr) {
+  if (kPacked && p.cu_seqlens != nullptr) {
     s.seq = idx / n_ctiles;
     s.b = 0;
     s.seg = 0;
@@ -308,15 +310,16 @@ __device__ __forceinline__ void producer_phase(const Args& a, typename Cfg::Ring
   };
 
   for (int64_t idx = first; idx < count; idx += gridDim.x) {
-    const Stream s = decode_stream<Cfg>(p, idx);
+    const Stream s = decode_stream<Cfg, kPackedBuild && !kReverse>(p, idx);
     Tensor gWd = local_tile(mWd, make_shape(typename Cfg::BlkDt{}, typename Cfg::BlkK{}), make_coord(int(s.j), _));
     Tensor gWb = local_tile(mWb, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     Tensor gWc = local_tile(mWc, make_shape(typename Cfg::BlkN{}, typename Cfg::BlkK{}), make_coord(0, _));
     for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
       const int t_rel = int(kReverse ? s.n_tiles - 1 - tile : tile);  // tensor-core tile of the stream
-      // The operand tiles of every K chunk (packed: offset to the sequence's first token, as load_xt).
+      // The operand tiles of every K chunk (packed: offset to the sequence's first token, as load_xt;
+      // the backward (kReverse) never runs packed streams and keeps the batch form).
       auto gX = [&] {
-        if constexpr (kPackedBuild) {
+        if constexpr (kPackedBuild && !kReverse) {
           return local_tile(domain_offset(make_coord(int(s.t_begin), 0), mX(_, _, int(s.b))),
                             make_shape(typename Cfg::BlkTM{}, typename Cfg::BlkK{}), make_coord(t_rel, _));
         } else {
