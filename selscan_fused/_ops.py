@@ -199,6 +199,18 @@ if extension_available():
                                     setup_context=_gated_scan_setup)
 
 
+def _packed_fake_outputs(x, A_log, cu_seqlens, return_final_state, with_ckpt):
+    """The packed forward ops' outputs: y shaped as x (1, T, D), the final states (num_seqs, D, N) or (0,),
+    the checkpoints in the packed slot layout (1 or 0, T // 64 + num_seqs, D, N)."""
+    _, T, Dm = x.shape
+    N = A_log.shape[1]
+    S = cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32)
+    h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
+    ckpt = x.new_empty((1 if with_ckpt else 0, T // CKPT_EVERY + S, Dm, N), **f32)
+    return x.new_empty(x.shape), h, ckpt
+
+
 def _packed_setup(ctx, inputs, output):
     """scan_fwd_packed: keep what scan_bwd_packed needs."""
     delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, _, training = inputs
@@ -229,13 +241,7 @@ if extension_available() and hasattr(torch.ops.selscan_fused, "scan_fwd_packed")
 
     @torch.library.register_fake("selscan_fused::scan_fwd_packed")
     def _scan_fwd_packed_fake(delta, bc, x, z, A_log, b_delta, D, h0, cu_seqlens, return_final_state, training):
-        _, T, Dm = x.shape
-        N = A_log.shape[1]
-        S = cu_seqlens.shape[0] - 1
-        f32 = dict(dtype=torch.float32)
-        h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
-        ckpt = x.new_empty((1 if training else 0, T // CKPT_EVERY + S, Dm, N), **f32)
-        return x.new_empty(x.shape), h, ckpt
+        return _packed_fake_outputs(x, A_log, cu_seqlens, return_final_state, training)
 
     @torch.library.register_fake("selscan_fused::scan_bwd_packed")
     def _scan_bwd_packed_fake(delta, bc, x, A_log, b_delta, D, h0, dy, dhT, ckpt, cu_seqlens, gate_z=None):
@@ -378,13 +384,7 @@ if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_fwd_p
     @torch.library.register_fake("selscan_fused::fused_fwd_packed")
     def _fused_fwd_packed_fake(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, return_final_state,
                                with_ckpt):
-        _, T, Dm = x.shape
-        N = A_log.shape[1]
-        S = cu_seqlens.shape[0] - 1
-        f32 = dict(dtype=torch.float32)
-        h = x.new_empty((S, Dm, N), **f32) if return_final_state else x.new_empty((0,), **f32)
-        ckpt = x.new_empty((1 if with_ckpt else 0, T // CKPT_EVERY + S, Dm, N), **f32)
-        return x.new_empty(x.shape), h, ckpt
+        return _packed_fake_outputs(x, A_log, cu_seqlens, return_final_state, with_ckpt)
 
     torch.library.register_autograd("selscan_fused::fused_fwd_packed", _fused_packed_backward,
                                     setup_context=_fused_packed_setup)
@@ -423,13 +423,7 @@ if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_block
     @torch.library.register_fake("selscan_fused::fused_block_scan_packed")
     def _fused_block_scan_packed_fake(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, return_final_state,
                                       with_ckpt):
-        _, T, Dm = u.shape
-        N = A_log.shape[1]
-        S = cu_seqlens.shape[0] - 1
-        f32 = dict(dtype=torch.float32)
-        h = u.new_empty((S, Dm, N), **f32) if return_final_state else u.new_empty((0,), **f32)
-        ckpt = u.new_empty((1 if with_ckpt else 0, T // CKPT_EVERY + S, Dm, N), **f32)
-        return u.new_empty(u.shape), h, ckpt
+        return _packed_fake_outputs(u, A_log, cu_seqlens, return_final_state, with_ckpt)
 
     torch.library.register_autograd("selscan_fused::fused_block_scan_packed", _fused_block_packed_backward,
                                     setup_context=_fused_block_packed_setup)

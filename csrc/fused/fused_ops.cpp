@@ -175,6 +175,32 @@ BlockOperands block_operands(const at::Tensor& xdbl, const at::Tensor& dt_proj_w
   return o;
 }
 
+// The packed ops' common end: p's packed streams (num_seqs S from cu over T tokens, one segment, the
+// 64-channel layout), y (1, T, D) in `like`'s dtype and the final states (S, D, N) or (0,) allocated
+// (NaN-poisoned under the test hook, ckpt too), the launch. Returns (y, final states).
+std::tuple<at::Tensor, at::Tensor> launch_packed(FusedParams& p, const at::Tensor& cu, int64_t S, int64_t T,
+                                                 const at::Tensor& like, bool return_final_state, at::Tensor& ckpt,
+                                                 bool with_ckpt, const char* what) {
+  p.cu_seqlens = cu.data_ptr<int32_t>();
+  p.num_seqs = S;
+  p.channel_tile = 64;
+  p.n_segments = 1;
+  p.seg_len = (T + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;  // the long-stream layout past 1024
+  const auto f32 = like.options().dtype(at::kFloat);
+  at::Tensor y = at::empty({1, T, p.dim}, like.options());
+  at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{S, p.dim, p.dstate} : at::IntArrayRef{0}, f32);
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+    if (ckpt.numel() > 0) ckpt.fill_(NAN);
+  }
+  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), what);
+  return {y, hT};
+}
+
 // Packed sequences (cu_seqlens, int32 (num_seqs + 1,)): x (1, total, D). Returns y (1, total, D), the
 // final states (num_seqs, D, N) (empty unless return_final_state) and, with_ckpt, the checkpoints
 // (1, packed_slots(total, num_seqs, 64), D, N) in scan_bwd_packed's layout (else (0, ...)), so that the
@@ -211,24 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_packed(
   p.x = x.data_ptr(); p.W_delta = Wd.data_ptr(); p.W_B = Wb.data_ptr(); p.W_C = Wc.data_ptr();
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
-  p.cu_seqlens = cu.data_ptr<int32_t>();
-  p.num_seqs = S;
-  p.channel_tile = 64;
-  p.n_segments = 1;
-  p.seg_len = (T + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;  // picks the long-stream layout
-
-  at::Tensor y = at::empty({1, T, Dm}, x.options());
-  at::Tensor hT = return_final_state ? at::empty({S, Dm, N}, x.options().dtype(at::kFloat))
-                                     : at::empty({0}, x.options().dtype(at::kFloat));
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    y.fill_(NAN);
-    if (hT.numel() > 0) hT.fill_(NAN);
-    if (ckpt.numel() > 0) ckpt.fill_(NAN);
-  }
-  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
-  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch (packed)");
+  auto [y, hT] = launch_packed(p, cu, S, T, x, return_final_state, ckpt, with_ckpt, "the fused kernel launch (packed)");
   return {y, hT, ckpt};
 }
 
@@ -291,23 +300,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_block_scan_packed(
   p.A_log = A_c.data_ptr<float>(); p.b_delta = b_c.data_ptr<float>(); p.D = D_c.data_ptr<float>();
   p.h0 = h0 ? h0_c.data_ptr<float>() : nullptr;
   p.z = z.data_ptr(); p.z_stride = z.stride(1);
-  p.cu_seqlens = cu.data_ptr<int32_t>();
-  p.num_seqs = S;
-  p.channel_tile = 64;
-  p.n_segments = 1;
-  p.seg_len = (T + kFusedTokenTile - 1) / kFusedTokenTile * kFusedTokenTile;
-  at::Tensor y = at::empty({1, T, Dm}, u.options());
-  at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{S, Dm, N} : at::IntArrayRef{0}, f32);
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    y.fill_(NAN);
-    if (hT.numel() > 0) hT.fill_(NAN);
-    if (ckpt.numel() > 0) ckpt.fill_(NAN);
-  }
-  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
-  SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
-                  "the fused kernel launch (block, packed)");
+  auto [y, hT] = launch_packed(p, cu, S, T, u, return_final_state, ckpt, with_ckpt,
+                               "the fused kernel launch (block, packed)");
   return {y, hT, ckpt};
 }
 
