@@ -572,7 +572,8 @@ def test_fused_packed_layer_bitwise_equals_each_sequence_alone(dtype, N, poisone
     final state and the checkpoints (in the packed slot layout) bitwise, every element written (NaN-
     poisoned outputs); sequence starts inside and on the 64- and 128-token tiles, empty sequences (their
     state passes through), L = 1. At N = 16 a sequence alone of at most 1024 tokens takes the
-    two-warpgroup scan layout, which the packed call does not: those are held to float32 rounding."""
+    two-warpgroup scan layout, which the packed call (5,369 tokens) does not: those are held to float32
+    rounding."""
     from conftest import matmul_precision
     fresh_seed()
     lengths = PACKED_MIX
@@ -611,13 +612,64 @@ def test_fused_packed_layer_bitwise_equals_each_sequence_alone(dtype, N, poisone
 @requires_cuda
 @requires_hopper
 @requires_fused_packed
+@pytest.mark.parametrize("lengths", [[100, 50, 300, 7, 200], [100, 50, 300, 7, 700]])  # T <= 1024 and above
+@pytest.mark.parametrize("block", [False, True])
+def test_fused_packed_keeps_non_finite_inputs_in_their_sequence(lengths, block, poisoned_outputs):
+    """Sequences 1 and 3 given inf and NaN inputs (x; for the block u, x_proj's output and the gate z):
+    every other sequence's y, final state and checkpoints bitwise those of the clean call. The tile that
+    ends a sequence holds the next one's rows (here starts at 100 and 150, inside the 128-token tiles),
+    which the kernel must take as zeros (dt, B, C, x, the gate), not multiply by zero."""
+    fresh_seed()
+    S, T, Dm, N, R = len(lengths), sum(lengths), 128, 16, 8
+    cu = cu_of(lengths, "cuda")
+    h0 = torch.randn(S, Dm, N, device="cuda")
+    inp = make_inputs(1, T, Dm, N, device="cuda")
+    ops, dtype = torch.ops.selscan_fused, torch.bfloat16
+    if block:
+        clean = [torch.randn(1, T, Dm, device="cuda").to(dtype),  # u, x_proj's output, z
+                 (0.5 * torch.randn(1, T, R + 2 * N, device="cuda")).to(dtype),
+                 torch.randn(1, T, Dm, device="cuda").to(dtype)]
+        dt_w = (torch.randn(Dm, R, device="cuda") / R ** 0.5).to(dtype)
+
+        def run(u, xdbl, z):
+            return ops.fused_block_scan_packed(u, xdbl, z, dt_w, inp["A_log"], inp["b_delta"], inp["D"], h0, cu,
+                                               True, True)
+    else:
+        clean = [inp["x"].to(dtype)]
+        w = [inp[k].to(dtype) if k in ("W_delta", "W_B", "W_C") else inp[k] for k in LAYER_ARGS]
+
+        def run(x):
+            return ops.fused_fwd_packed(x, *w, h0, cu, True, True)
+    y, hT, ckpt = run(*clean)
+    dirty = [t.clone() for t in clean]
+    bad = (1, 3)
+    for s in bad:
+        a, e = _slices(lengths)[s]
+        for t in dirty:
+            t[:, a:e:2] = float("inf")
+            t[:, a + 1:e:2] = float("nan")
+    y2, hT2, ckpt2 = run(*dirty)
+    for s, (a, e) in enumerate(_slices(lengths)):
+        if s in bad:
+            continue
+        assert torch.isfinite(y[:, a:e]).all() and torch.isfinite(hT[s]).all(), s
+        assert torch.equal(y2[:, a:e], y[:, a:e]), s
+        assert torch.equal(hT2[s], hT[s]), s
+        slots = slice(a // 64 + s, a // 64 + s + (e - a + 63) // 64)  # its checkpoints (the packed slot layout)
+        torch.testing.assert_close(ckpt2[0, slots], ckpt[0, slots], rtol=0, atol=0, equal_nan=True,
+                                   msg=f"checkpoints of sequence {s}")
+
+
+@requires_cuda
+@requires_hopper
+@requires_fused_packed
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_packed_layer_against_float64(dtype):
     """impl='fused' with cu_seqlens, forward and backward (the fused forward's checkpoints into the
     unfused path's packed backward), against the independent float64 walk."""
     from conftest import matmul_precision
     fresh_seed()
-    lengths = [300, 1, 77, 700, 0, 5]
+    lengths = [300, 1, 77, 700, 5]  # every sequence non-empty: validate=True refuses an empty one
     S, T = len(lengths), sum(lengths)
     cu = cu_of(lengths, "cuda")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -650,7 +702,7 @@ def test_fused_packed_block_against_float64(dtype, poisoned_outputs):
     states and every gradient; and against impl='unfused' on the same weights."""
     from conftest import matmul_precision
     fresh_seed()
-    lengths = [300, 1, 77, 700, 0, 5, 130]
+    lengths = [300, 1, 77, 700, 5, 130]
     S, T = len(lengths), sum(lengths)
     cu = cu_of(lengths, "cuda")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
