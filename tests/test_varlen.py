@@ -471,27 +471,20 @@ def test_packed_conv_kernels_bitwise_equal_each_sequence_alone(dtype, width, poi
     torch.testing.assert_close(bias.grad, db_sum, rtol=1e-4, atol=1e-4 * db_sum.abs().max().item())
 
 
-@requires_cuda
-@requires_extension
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unfused_packed_layer_and_block_against_float64(dtype):
-    """The whole packed paths (impl='unfused') against the independent float64 walk: values and every
-    gradient within the dtype's bound."""
-    fresh_seed()
-    lengths = [300, 1, 77, 700, 5]
+def check_packed_layer_against_float64(impl, dtype, lengths):
+    """selective_scan(impl=impl, cu_seqlens=) against the independent float64 walk: y, the final states and
+    every gradient (h0's included) within the dtype's bound."""
+    from conftest import matmul_precision
     S, T = len(lengths), sum(lengths)
     cu = cu_of(lengths, "cuda")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    mode = "float32-highest"
-    from conftest import matmul_precision
-    # the layer
     inp = make_inputs(1, T, 64, 16, device="cuda")
     inp["x"] = inp["x"].to(dtype)
     h0 = torch.randn(S, 64, 16, device="cuda")
     leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
     hh = h0.clone().requires_grad_(True)
-    with matmul_precision(mode):
-        y, hT = selective_scan(*(leaves[k] for k in ("x",) + LAYER_ARGS), h0=hh, impl="unfused", cu_seqlens=cu,
+    with matmul_precision("float32-highest"):
+        y, hT = selective_scan(*(leaves[k] for k in ("x",) + LAYER_ARGS), h0=hh, impl=impl, cu_seqlens=cu,
                                return_final_state=True)
         (y.float().square().sum() + hT.square().sum()).backward()
     l64 = {k: inp[k].detach().double().cpu().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
@@ -502,20 +495,28 @@ def test_unfused_packed_layer_and_block_against_float64(dtype):
     for k in ("x",) + LAYER_ARGS:
         assert rel_l2(leaves[k].grad.cpu(), l64[k].grad) < tol * 3, k
     assert rel_l2(hh.grad.cpu(), h64.grad) < tol * 3
-    # the block
+
+
+def check_packed_block_against_float64(impl, dtype, lengths):
+    """mamba_block(impl=impl, cu_seqlens=) against the independent float64 walk: the output, both final
+    states and every gradient (the weights', x's, h0's and the conv state's) within the dtype's bound.
+    Returns the output and the call's inputs (cu_seqlens, x, the weights, h0, the conv state)."""
+    from conftest import matmul_precision
+    S, T = len(lengths), sum(lengths)
+    cu = cu_of(lengths, "cuda")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
-    block.impl = "unfused"
     xb = torch.randn(1, T, 32, device="cuda").to(dtype).requires_grad_(True)
     cs = torch.randn(S, 64, 3, device="cuda").to(dtype).requires_grad_(True)
     hb = torch.randn(S, 64, 16, device="cuda").requires_grad_(True)
-    wts = [p for p in block.weights()]
     low = {0, 1, 4, 5, 9, 10}
     wd = [None if t is None else (t.detach().to(dtype) if i in low else t.detach()).requires_grad_(True)
-          for i, t in enumerate(wts)]
-    with matmul_precision(mode):
-        out, hT, cT = mamba_block(xb, *wd, h0=hb, conv_state=cs, return_final_state=True, impl="unfused",
+          for i, t in enumerate(block.weights())]
+    with matmul_precision("float32-highest"):
+        out, hT, cT = mamba_block(xb, *wd, h0=hb, conv_state=cs, return_final_state=True, impl=impl,
                                   cu_seqlens=cu)
         (out.float().square().sum() + hT.square().sum() + cT.float().square().sum()).backward()
+    assert torch.isfinite(out).all() and torch.isfinite(hT).all()
     w64 = [None if t is None else t.detach().double().cpu().requires_grad_(True) for t in wd]
     x64 = xb.detach().double().cpu().requires_grad_(True)
     cs64 = cs.detach().double().cpu().requires_grad_(True)
@@ -528,6 +529,18 @@ def test_unfused_packed_layer_and_block_against_float64(dtype):
             assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3, BLOCK_NAMES[i]
     for a, b64 in ((xb, x64), (cs, cs64), (hb, hb64)):
         assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3
+    return out, (cu, xb, wd, hb, cs)
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_packed_layer_and_block_against_float64(dtype):
+    """The whole packed paths (impl='unfused') against the independent float64 walk: values and every
+    gradient within the dtype's bound."""
+    fresh_seed()
+    check_packed_layer_against_float64("unfused", dtype, [300, 1, 77, 700, 5])
+    check_packed_block_against_float64("unfused", dtype, [300, 1, 77, 700, 5])
 
 
 requires_fused_packed = pytest.mark.skipif(
@@ -667,29 +680,8 @@ def test_fused_packed_keeps_non_finite_inputs_in_their_sequence(lengths, block, 
 def test_fused_packed_layer_against_float64(dtype):
     """impl='fused' with cu_seqlens, forward and backward (the fused forward's checkpoints into the
     unfused path's packed backward), against the independent float64 walk."""
-    from conftest import matmul_precision
     fresh_seed()
-    lengths = [300, 1, 77, 700, 5]  # every sequence non-empty: validate=True refuses an empty one
-    S, T = len(lengths), sum(lengths)
-    cu = cu_of(lengths, "cuda")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    inp = make_inputs(1, T, 64, 16, device="cuda")
-    inp["x"] = inp["x"].to(dtype)
-    h0 = torch.randn(S, 64, 16, device="cuda")
-    leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
-    hh = h0.clone().requires_grad_(True)
-    with matmul_precision("float32-highest"):
-        y, hT = selective_scan(*(leaves[k] for k in ("x",) + LAYER_ARGS), h0=hh, impl="fused", cu_seqlens=cu,
-                               return_final_state=True)
-        (y.float().square().sum() + hT.square().sum()).backward()
-    l64 = {k: inp[k].detach().double().cpu().requires_grad_(True) for k in ("x",) + LAYER_ARGS}
-    h64 = h0.double().cpu().requires_grad_(True)
-    y64, hT64 = packed_layer_walk(*(l64[k] for k in ("x",) + LAYER_ARGS), cu.cpu(), h64)
-    (y64.square().sum() + hT64.square().sum()).backward()
-    assert rel_l2(y.cpu(), y64) < tol and rel_l2(hT.cpu(), hT64) < tol
-    for k in ("x",) + LAYER_ARGS:
-        assert rel_l2(leaves[k].grad.cpu(), l64[k].grad) < tol * 3, k
-    assert rel_l2(hh.grad.cpu(), h64.grad) < tol * 3
+    check_packed_layer_against_float64("fused", dtype, [300, 1, 77, 700, 5])  # validate=True: none empty
 
 
 @requires_cuda
@@ -702,37 +694,11 @@ def test_fused_packed_block_against_float64(dtype, poisoned_outputs):
     states and every gradient; and against impl='unfused' on the same weights."""
     from conftest import matmul_precision
     fresh_seed()
-    lengths = [300, 1, 77, 700, 5, 130]
-    S, T = len(lengths), sum(lengths)
-    cu = cu_of(lengths, "cuda")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
-    xb = torch.randn(1, T, 32, device="cuda").to(dtype).requires_grad_(True)
-    cs = torch.randn(S, 64, 3, device="cuda").to(dtype).requires_grad_(True)
-    hb = torch.randn(S, 64, 16, device="cuda").requires_grad_(True)
-    low = {0, 1, 4, 5, 9, 10}
-    wd = [None if t is None else (t.detach().to(dtype) if i in low else t.detach()).requires_grad_(True)
-          for i, t in enumerate(block.weights())]
+    out, (cu, xb, wd, hb, cs) = check_packed_block_against_float64("fused", dtype, [300, 1, 77, 700, 5, 130])
     with matmul_precision("float32-highest"):
-        out, hT, cT = mamba_block(xb, *wd, h0=hb, conv_state=cs, return_final_state=True, impl="fused",
-                                  cu_seqlens=cu)
-        (out.float().square().sum() + hT.square().sum() + cT.float().square().sum()).backward()
         out_u = mamba_block(xb.detach(), *(None if t is None else t.detach() for t in wd), h0=hb.detach(),
                             conv_state=cs.detach(), impl="unfused", cu_seqlens=cu)
-    assert torch.isfinite(out).all() and torch.isfinite(hT).all()
-    assert rel_l2(out, out_u) < tol
-    w64 = [None if t is None else t.detach().double().cpu().requires_grad_(True) for t in wd]
-    x64 = xb.detach().double().cpu().requires_grad_(True)
-    cs64 = cs.detach().double().cpu().requires_grad_(True)
-    hb64 = hb.detach().double().cpu().requires_grad_(True)
-    o64, hT64, cT64 = packed_block_walk(x64, dict(zip(BLOCK_NAMES, w64)), cu.cpu(), hb64, cs64)
-    (o64.square().sum() + hT64.square().sum() + cT64.square().sum()).backward()
-    assert rel_l2(out.cpu(), o64) < tol and rel_l2(hT.cpu(), hT64) < tol and rel_l2(cT.cpu(), cT64) < tol
-    for i, (a, b64) in enumerate(zip(wd, w64)):
-        if a is not None:
-            assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3, BLOCK_NAMES[i]
-    for a, b64 in ((xb, x64), (cs, cs64), (hb, hb64)):
-        assert rel_l2(a.grad.cpu(), b64.grad) < tol * 3
+    assert rel_l2(out, out_u) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @requires_cuda
