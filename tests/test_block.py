@@ -211,6 +211,7 @@ SHAPES = [
     (3, 1000, 96, 32, 3, False, False, 2),
     (1, 4097, 64, 16, 4, False, True, 2),
     (2, 300, 48, 64, 4, True, True, 2),
+    (2, 300, 64, 64, 4, True, True, 2),  # d_inner 128: N = 64 on the fused path too
     (3, 130, 768, 16, 4, False, True, 2),
 ]
 
@@ -607,8 +608,9 @@ def test_fused_block_conv_in_kernel_equals_conv_kernel(dtype, batch, L, di, W, l
 @requires_cuda
 @requires_hopper
 def test_fused_block_envelope_errors_name_the_argument():
-    """x_proj's outputs beyond the first kernel's 384 and a packed call: errors naming the argument and the
-    path to use; the unfused path runs the same block."""
+    """x_proj's outputs beyond the first kernel's 384: an error naming the argument and the path to use;
+    the unfused path runs the same block. (A packed call's: tests/test_varlen.py,
+    test_fused_packed_op_says_how_it_is_built.)"""
     fresh_seed()
     block = cuda_block(64, 64, 4, False, "fused", dt_rank=300).to(torch.bfloat16)
     x = torch.randn(1, 9, 64, device="cuda", dtype=torch.bfloat16)

@@ -412,9 +412,9 @@ def test_eos_stops_rows_and_finished_rows_emit_pad():
     ends = [r.index(eos) + 1 if eos in r else None for r in rows]
     n = max(ends) if all(e is not None for e in ends) else 20
     assert out.shape[1] == 6 + n
-    for r, end in zip(rows, ends):
+    for i, (r, end) in enumerate(zip(rows, ends)):
         exp = r if end is None else r[:end] + [96] * (20 - end)
-        assert exp[:n] in out[:, 6:].tolist()
+        assert out[i, 6:].tolist() == exp[:n], i
     assert out[0, 6:].tolist() == (rows[0][:ends[0]] + [96] * 20)[:n] and ends[0] <= 5
     # every row finishes: generation stops early, shorter than max_new_tokens
     eos_all = [int(new[r, 2]) for r in range(3)]

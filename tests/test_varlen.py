@@ -306,7 +306,8 @@ def test_validate_false_reads_nothing_on_the_host(monkeypatch):
 @requires_extension
 def test_cuda_auto_takes_the_unfused_packed_kernels():
     """impl='auto' with cu_seqlens runs the unfused path's packed kernels (no warning): bitwise
-    impl='unfused', for the layer and the block, and within the dtype's bound of the float64 walk."""
+    impl='unfused', for the layer and the block, and the layer within the dtype's bound of the float64
+    walk (the block's: test_unfused_packed_layer_and_block_against_float64)."""
     import warnings
     fresh_seed()
     lengths = [5, 1, 9]
