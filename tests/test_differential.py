@@ -50,6 +50,9 @@ def test_every_case_is_inside_its_paths_envelope():
 
 
 def test_the_reference_passes_its_own_judge():
+    """The harness end to end on the CPU without a false alarm. (The judge's float32 evaluation is the
+    reference's own call, so this cannot test the accuracy rule: test_the_judge_catches_wrong_answers
+    does.)"""
     for c in _small_reference_cases(6):
         assert run_case(c, device="cpu") == [], c.line()
 
@@ -106,6 +109,7 @@ def test_block_cases_inside_the_unfused_envelope():
 
 
 def test_the_block_reference_passes_its_own_judge():
+    """As test_the_reference_passes_its_own_judge, for the block's cases."""
     for c in _small_block_reference_cases(6):
         assert run_case(c, device="cpu") == [], c.line()
 

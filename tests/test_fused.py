@@ -357,15 +357,18 @@ def test_fused_compile_and_cuda_graph(poisoned_outputs):
 @pytest.mark.parametrize("mode", ["bfloat16", "float32-highest"])
 def test_descriptor_cache_gives_the_uncached_results(mode, poisoned_outputs):
     """The launchers reuse the previous call's TMA descriptors for the same tensors (host overhead). A
-    sequence of calls that changes one thing at a time (x's buffer, L, batch, one weight, D, N) must give
-    bit for bit what encoding every descriptor gives, and match float64."""
+    sequence of calls that changes one thing at a time (x's buffer, L, batch, one weight, D, N; L and N
+    also with every tensor's address kept, so that only a size tells the calls apart) must give bit for
+    bit what encoding every descriptor gives, and match float64."""
     fresh_seed()
     ops = torch.ops.selscan_fused
     with matmul_precision(mode):
         dt = DTYPES[mode]
         base = make_inputs(2, 300, 128, 16, dtype=dt, device="cuda")
         seq = [base, dict(base, x=base["x"].clone()), dict(base, x=base["x"][:, :200].contiguous()),
-               dict(base, x=base["x"][:1].contiguous()), dict(base, W_B=base["W_B"].clone() * 0.5), base,
+               dict(base, x=base["x"][:1].contiguous()), dict(base, x=base["x"][:1, :200]),  # same address, L
+               dict(base, W_B=base["W_B"][:8], W_C=base["W_C"][:8], A_log=base["A_log"][:, :8].contiguous()),  # N
+               dict(base, W_B=base["W_B"].clone() * 0.5), base,
                make_inputs(2, 300, 192, 16, dtype=dt, device="cuda"), make_inputs(2, 300, 128, 32, dtype=dt,
                                                                                   device="cuda"), base]
         cached = [call(inp, "fused", return_final_state=True) for inp in seq]
