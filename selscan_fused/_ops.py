@@ -349,10 +349,10 @@ if fused_extension_available():
 
 
 def _fused_packed_setup(ctx, inputs, output):
-    """fused_fwd_packed: keep the inputs and the checkpoints (the projections are recomputed)."""
-    x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, _, with_ckpt = inputs
-    ctx.with_ckpt = with_ckpt
-    ctx.save_for_backward(x, A_log, W_delta, b_delta, W_B, W_C, D, h0, cu_seqlens, output[2])
+    """fused_fwd_packed and fused_block_scan_packed (nine tensor inputs, cu_seqlens last, then
+    return_final_state and with_ckpt): keep the tensors and the checkpoints (the products are recomputed)."""
+    ctx.with_ckpt = inputs[10]
+    ctx.save_for_backward(*inputs[:9], output[2])
     ctx.set_materialize_grads(False)
 
 
@@ -390,14 +390,6 @@ if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_fwd_p
                                     setup_context=_fused_packed_setup)
 
 
-def _fused_block_packed_setup(ctx, inputs, output):
-    """fused_block_scan_packed: keep the inputs and the checkpoints (dt_proj's product is recomputed)."""
-    u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, _, with_ckpt = inputs
-    ctx.with_ckpt = with_ckpt
-    ctx.save_for_backward(u, xdbl, z, dt_w, A_log, dt_bias, D, h0, cu_seqlens, output[2])
-    ctx.set_materialize_grads(False)
-
-
 def _fused_block_packed_backward(ctx, dy, dhT, *unused):
     """As the fused block's backward for a batch, the conv and x_proj left to their own ops' autograd:
     dt_proj's product recomputed by the library, the packed backward scan kernel with the gate on the
@@ -426,4 +418,4 @@ if fused_extension_available() and hasattr(torch.ops.selscan_fused, "fused_block
         return _packed_fake_outputs(u, A_log, cu_seqlens, return_final_state, with_ckpt)
 
     torch.library.register_autograd("selscan_fused::fused_block_scan_packed", _fused_block_packed_backward,
-                                    setup_context=_fused_block_packed_setup)
+                                    setup_context=_fused_packed_setup)

@@ -33,6 +33,21 @@ void check_fused_envelope(const at::Tensor& x, int64_t Dm, int64_t N, const char
               kFusedChannelTile, " from ", kFusedChannelTile, " to ", kFusedMaxDim, "); use impl='unfused'");
 }
 
+// The kernel's outputs bound to p: y, the final states where returned (hT otherwise (0,)), the
+// checkpoints where kept (ckpt otherwise empty or undefined); under the test hook NaN-poisoned first, so
+// that an element the kernel never writes stays NaN.
+void bind_outputs(FusedParams& p, at::Tensor& y, at::Tensor& hT, at::Tensor& ckpt, bool return_final_state,
+                  bool with_ckpt) {
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    y.fill_(NAN);
+    if (hT.numel() > 0) hT.fill_(NAN);
+    if (with_ckpt && ckpt.numel() > 0) ckpt.fill_(NAN);
+  }
+  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+}
+
 // ScanConfig(channel_tile=...): 0 (chosen by fused_plan), 64, or 16 where the narrow layout exists.
 void check_channel_tile(const FusedParams& p, int64_t channel_tile, at::ScalarType dtype) {
   TORCH_CHECK(channel_tile == 0 || channel_tile == 64 || channel_tile == 16,
@@ -115,14 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_fused(const at::Tensor& x_in,
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws;
   if (ws_floats > 0) ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    y.fill_(NAN);
-    if (hT.numel() > 0) hT.fill_(NAN);
-    if (with_ckpt && ckpt.numel() > 0) ckpt.fill_(NAN);
-  }
-  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  bind_outputs(p, y, hT, ckpt, return_final_state, with_ckpt);
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "the fused kernel launch");
   return {y, hT, ckpt};
@@ -189,14 +197,7 @@ std::tuple<at::Tensor, at::Tensor> launch_packed(FusedParams& p, const at::Tenso
   const auto f32 = like.options().dtype(at::kFloat);
   at::Tensor y = at::empty({1, T, p.dim}, like.options());
   at::Tensor hT = at::empty(return_final_state ? at::IntArrayRef{S, p.dim, p.dstate} : at::IntArrayRef{0}, f32);
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    y.fill_(NAN);
-    if (hT.numel() > 0) hT.fill_(NAN);
-    if (ckpt.numel() > 0) ckpt.fill_(NAN);
-  }
-  p.ckpt = with_ckpt ? ckpt.data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  bind_outputs(p, y, hT, ckpt, return_final_state, with_ckpt);
   SELSCAN_CUDA_OK(fused_launch(p, c10::cuda::getCurrentCUDAStream().stream()), what);
   return {y, hT};
 }
@@ -547,14 +548,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_block_fwd(
   const int64_t ws_floats = split_workspace_floats(batch, Dm, N, p.n_segments);
   at::Tensor ws;
   if (ws_floats > 0) ws = at::empty({ws_floats}, f32);
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    y.fill_(NAN);
-    if (hT.numel() > 0) hT.fill_(NAN);
-    if (ckpt.numel() > 0) ckpt.fill_(NAN);
-  }
-  p.ckpt = training ? ckpt.data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.final_state = return_final_state ? hT.data_ptr<float>() : nullptr;
+  bind_outputs(p, y, hT, ckpt, return_final_state, training);
   p.workspace = ws_floats > 0 ? ws.data_ptr<float>() : nullptr;
   SELSCAN_CUDA_OK(fused_launch(p, stream), "the fused kernel launch (block)");
   return {y, hT, ckpt, xdbl};
