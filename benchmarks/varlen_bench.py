@@ -1,7 +1,7 @@
 """Packed variable-length sequences (cu_seqlens) against their alternatives, side by side in one run: the
 Mamba block (selscan_fused.Mamba) on a mix of sequence lengths, for each of --impls (default unfused;
-fused: its packed row runs where the fused kernel is built with -DSELSCAN_FUSED_PACKED, in development,
-and says why not elsewhere)
+fused: its packed row runs where the fused kernel takes packed sequences (every build but one with
+-DSELSCAN_FUSED_NO_PACKED) and says why not elsewhere)
 
     packed    the sequences packed in one row with cu_seqlens (the state restarts at every start)
     one       one sequence of the same total length (the floor a packed batch is held to: within 5%)
@@ -86,7 +86,7 @@ def main(argv=None):
             why = reason
             if why is None and impl == "fused" and name == "packed" and \
                     not selscan_fused._extension.fused_packed_available():
-                why = "the fused kernel is not built with -DSELSCAN_FUSED_PACKED (packed sequences, in development)"
+                why = "the fused kernel was built with -DSELSCAN_FUSED_NO_PACKED (no packed sequences)"
             if why is not None:
                 row["status"] = f"unavailable: {why}"
             else:

@@ -5,7 +5,7 @@ narrow (16) and wide (64) channel tiles, every N and every dtype / float32 preci
 block on both paths (BLOCK_GRID: its conv, gate and scan kernels, forward and backward) with three
 decode steps each (the decode kernels, the fused add + RMSNorm), and packed sequences on the unfused
 path (PACKED_LENGTHS: the scan and conv kernels' packed policies; the layer's fused path too where the
-fused kernel is built with -DSELSCAN_FUSED_PACKED). Small sizes: the
+fused kernel takes them: every build but one with -DSELSCAN_FUSED_NO_PACKED). Small sizes: the
 tools slow every launch down by orders of magnitude. Checks each result against the float64 evaluation
 too (a tool can change timing, never results).
 
@@ -157,7 +157,7 @@ def _packed_case(dt, seed):
                                                                    "D")), h0=h0.double(), cu_seqlens=cu,
                                        impl="reference")
     err = rel_l2(y.detach(), ref)
-    if selscan_fused._extension.fused_packed_available():  # the fused kernel's packed streams (a build switch)
+    if selscan_fused._extension.fused_packed_available():  # the fused kernel's packed streams
         for t in leaves.values():
             t.grad = None
         yf, hf = selscan_fused.selective_scan(leaves["x"], leaves["A_log"], leaves["W_delta"], leaves["b_delta"],

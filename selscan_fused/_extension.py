@@ -54,9 +54,9 @@ def fused_extension_available() -> bool:
 
 
 def fused_packed_available() -> bool:
-    """True when the fused kernel takes packed sequences (cu_seqlens): its extension built with
-    SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED, a development switch until that path is verified on
-    a GPU (docs/design.md, "Packed sequences"). Asked of the extension once."""
+    """True when the fused kernel takes packed sequences (cu_seqlens): its extension is loaded and was
+    not built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED (the switch that leaves the batch
+    layout's kernel alone: docs/design.md, "Packed sequences"). Asked of the extension once."""
     global _fused_packed
     if _fused_packed is None:
         _fused_packed = bool(_fused is not None and hasattr(torch.ops.selscan_fused, "fused_packed_built")

@@ -367,10 +367,10 @@ def selective_scan(
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row: a bad value gives wrong sequences, never an access outside the tensors). Paths: 'unfused' (the
     library product, then the scan kernel with one work item per sequence and channel tile, its
-    backward likewise; v0.3.0 development) and 'reference'; 'fused' is an error, except where the fused
-    kernel is built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, not yet
-    verified on a GPU: docs/design.md); 'auto' takes 'unfused' for CUDA tensors it supports (the
-    reference, with a warning, for the rest).
+    backward likewise), 'fused' (the fused kernel over (sequence, channel tile) streams, its training
+    step's backward the unfused path's packed backward; not in a build with
+    SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED) and 'reference'; 'auto' takes 'unfused' for CUDA
+    tensors it supports (the reference, with a warning, for the rest).
 
     Dtypes: x in float32, bfloat16 or float16 (float64: reference only). The projection weights are used
     in x's dtype; A_log, b_delta, D, h0, the state and all accumulation are float32. float32 products
@@ -413,7 +413,7 @@ def selective_scan(
     else:
         chosen = resolve_impl(impl, x, N, train)
     if cu_seqlens is not None and chosen != "reference":
-        if impl == "auto":  # the unfused path's packed kernels (the fused kernel's are in development)
+        if impl == "auto":  # the unfused path's packed kernels (docs/design.md, "Packed sequences")
             if extension_available() and unsupported_reason("unfused", x, N) is None:
                 chosen = "unfused"
             else:
@@ -454,7 +454,7 @@ def selective_scan(
         if cfg is not DEFAULT_CONFIG and cfg.l_segments:
             raise ValueError("selscan_fused: ScanConfig(l_segments=...) does not apply to packed sequences (their "
                              "scan is never split along L)")
-        if chosen == "fused":  # in development: a build with -DSELSCAN_FUSED_PACKED (fused_packed_available)
+        if chosen == "fused":  # fused_packed_available(): every build but one with -DSELSCAN_FUSED_NO_PACKED
             if fused_only:
                 raise ValueError(f"selscan_fused: ScanConfig({', '.join(cfg.fused_switches())}) does not apply to "
                                  "packed sequences (their fused kernel has one layout)")

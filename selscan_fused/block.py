@@ -232,11 +232,10 @@ def mamba_block(
     sequence's result is that of running it alone. validate=True checks cu_seqlens' values on the host
     (one synchronisation); validate=False trusts them (the kernels clamp every range into the packed
     row). Paths: 'unfused' (the conv kernel's and the scan kernel's packed policies: a run or a work item
-    never crosses a sequence start; v0.3.0 development) and 'reference'; 'fused' is an error, except where
-    the fused kernel is built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, not yet
-    verified on a GPU: the packed conv and x_proj as on 'unfused', then dt_proj, the scan and the gate in
-    the fused kernel); 'auto' takes 'unfused' for CUDA tensors it supports (the reference, with a warning,
-    for the rest).
+    never crosses a sequence start), 'fused' (the packed conv and x_proj as on 'unfused', then dt_proj, the
+    scan and the gate in the fused kernel; not in a build with
+    SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED) and 'reference'; 'auto' takes 'unfused' for CUDA
+    tensors it supports (the reference, with a warning, for the rest).
     """
     check_config(config)
     packed = cu_seqlens is not None
@@ -315,7 +314,7 @@ def mamba_block(
             u, conv_T = causal_conv1d(xi, _as(conv_weight, f32).reshape(d_inner, W), _as(conv_bias, f32),
                                       _as(conv_state, xdt), activation=True, return_final_state=True)
         xdbl = linear(u, _as(x_proj_weight, xdt))                                    # (batch, L, R + 2N)
-        if packed and chosen == "fused":  # in development (fused_packed_available: a build switch)
+        if packed and chosen == "fused":  # fused_packed_available(), checked above
             # the conv and x_proj above, then dt_proj on the tensor cores, the scan, D and the gate in the
             # fused kernel over (sequence, channel tile) streams
             A_log, dt_bias, D, h0 = _as(A_log, f32), _as(dt_proj_bias, f32), _as(D, f32), _as(h0, f32)

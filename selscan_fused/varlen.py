@@ -113,10 +113,10 @@ def check_per_sequence(name: str, t, shape: tuple, why: Callable[[], str], devic
                          "all tensors must be on the same device")
 
 
-CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' (its kernels restart the state at "
-                       "every sequence start) and impl='reference'; impl='fused' takes it only in a build of the "
-                       "fused kernel with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development, "
-                       "docs/design.md)")
+CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' and impl='reference', and on "
+                       "impl='fused' only where the fused kernel's extension is loaded (CUDA tensors, Hopper) and "
+                       "was not built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED: here it is not "
+                       "(selscan_fused._extension.fused_packed_available() is False)")
 AUTO_VARLEN_MESSAGE = ("impl='auto' runs these packed sequences (cu_seqlens) on the slow reference: the unfused "
                        "path, whose kernels run packed sequences, does not take these inputs (or the extension "
                        "is not built)")

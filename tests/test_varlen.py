@@ -270,18 +270,20 @@ def test_packed_shapes_named():
 
 
 def test_cuda_paths_name_the_argument():
-    """impl='fused' refuses packed sequences naming the paths that take them; impl='unfused' takes them
-    (on the CPU it says that it needs CUDA tensors)."""
+    """On CPU tensors: where the fused kernel takes packed sequences, impl='fused' says that it needs CUDA
+    tensors, as impl='unfused' does; elsewhere (no fused extension, or a build without packed sequences) it
+    refuses them naming the paths that take them."""
     cu = cu_of([2, 3])
+    fused_takes_them = selscan_fused._extension.fused_packed_available()
     with pytest.raises(ValueError) as e:
         layer_call(torch.randn(1, 5, 8), cu, impl="fused")
-    assert CUDA_VARLEN_MESSAGE in str(e.value)
+    assert ("needs CUDA tensors" if fused_takes_them else CUDA_VARLEN_MESSAGE) in str(e.value)
     with pytest.raises(ValueError, match="impl='unfused' needs CUDA tensors"):
         layer_call(torch.randn(1, 5, 8), cu, impl="unfused")
     block = make_block(dtype=torch.float32)
     with pytest.raises(ValueError) as e:
         mamba_block(torch.randn(1, 5, 8), *block.weights(), impl="fused", cu_seqlens=cu)
-    assert CUDA_VARLEN_MESSAGE in str(e.value)
+    assert ("needs CUDA tensors" if fused_takes_them else CUDA_VARLEN_MESSAGE) in str(e.value)
     with pytest.raises(ValueError, match="impl='unfused' needs CUDA tensors"):
         mamba_block(torch.randn(1, 5, 8), *block.weights(), impl="unfused", cu_seqlens=cu)
 
@@ -546,33 +548,36 @@ def test_unfused_packed_layer_and_block_against_float64(dtype):
 
 requires_fused_packed = pytest.mark.skipif(
     not selscan_fused._extension.fused_packed_available(),
-    reason="the fused kernel takes packed sequences only when built with "
-           "SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED (in development)")
+    reason="the fused kernel's extension is not loaded or was built with "
+           "SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED")
 
 
 @requires_cuda
 @requires_hopper
 def test_fused_packed_op_says_how_it_is_built():
-    """Without the build switch the fused packed op refuses, naming the switch and the path to use;
-    with it, impl='fused' takes cu_seqlens."""
+    """impl='fused' takes cu_seqlens; in a build with -DSELSCAN_FUSED_NO_PACKED the fused packed ops refuse,
+    naming the switch and the path to use."""
     cu = cu_of([3, 5], "cuda")
     inp = make_inputs(1, 8, 64, 16, device="cuda")
     args = [inp["x"]] + [inp[k] for k in LAYER_ARGS]
+    flags = selscan_fused._extension.build_info().get("FUSED_NVCC_EXTRA_FLAGS", "")
+    # the default build takes them: a build that silently lost them would skip every fused packed test
+    assert selscan_fused._extension.fused_packed_available() == ("-DSELSCAN_FUSED_NO_PACKED" not in flags.split())
     if selscan_fused._extension.fused_packed_available():
         y = selective_scan(*args, impl="fused", cu_seqlens=cu)
         assert y.shape == (1, 8, 64) and torch.isfinite(y).all()
     else:
-        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_PACKED.*impl='unfused'"):
+        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_NO_PACKED; use impl='unfused'"):
             torch.ops.selscan_fused.fused_fwd_packed(*args, None, cu, True, False)
         u, z = torch.randn(1, 8, 64, device="cuda"), torch.randn(1, 8, 64, device="cuda")
-        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_PACKED.*impl='unfused'"):
+        with pytest.raises(RuntimeError, match="SELSCAN_FUSED_NO_PACKED; use impl='unfused'"):
             torch.ops.selscan_fused.fused_block_scan_packed(u, torch.randn(1, 8, 36, device="cuda"), z,
                                                            torch.randn(64, 4, device="cuda"), inp["A_log"],
                                                            inp["b_delta"], inp["D"], None, cu, True, False)
-        with pytest.raises(ValueError, match="SELSCAN_FUSED_PACKED"):
+        with pytest.raises(ValueError, match="SELSCAN_FUSED_NO_PACKED"):
             selective_scan(*args, impl="fused", cu_seqlens=cu)
         block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
-        with pytest.raises(ValueError, match="SELSCAN_FUSED_PACKED"):
+        with pytest.raises(ValueError, match="SELSCAN_FUSED_NO_PACKED"):
             mamba_block(torch.randn(1, 8, 32, device="cuda"), *block.weights(), impl="fused", cu_seqlens=cu)
 
 

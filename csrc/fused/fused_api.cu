@@ -136,7 +136,7 @@ int fused_max_ring_stages(DType dtype, int64_t dstate, bool fp32_3xtf32) {
 }
 
 bool fused_packed_built() {
-#ifdef SELSCAN_FUSED_PACKED
+#ifndef SELSCAN_FUSED_NO_PACKED
   return true;
 #else
   return false;

@@ -69,9 +69,9 @@ void fused_set_descriptor_cache(bool enable);
 // split_workspace_floats). Returns the first CUDA error met.
 cudaError_t fused_launch(const FusedParams& p, cudaStream_t stream);
 
-// Whether this build's kernel takes packed sequences (FusedParams::cu_seqlens): built with
-// -DSELSCAN_FUSED_PACKED (SELSCAN_FUSED_NVCC_FLAGS), a development switch until that path is verified
-// on a GPU. fused_launch refuses cu_seqlens otherwise.
+// Whether this build's kernel takes packed sequences (FusedParams::cu_seqlens): true unless built with
+// -DSELSCAN_FUSED_NO_PACKED (SELSCAN_FUSED_NVCC_FLAGS), the switch that leaves the batch layout alone.
+// fused_launch refuses cu_seqlens where it is false.
 bool fused_packed_built();
 
 // ---- The fused backward (csrc/fused/fused_bwd_kernel.cuh).

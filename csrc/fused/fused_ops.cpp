@@ -207,13 +207,13 @@ std::tuple<at::Tensor, at::Tensor> launch_packed(FusedParams& p, const at::Tenso
 // (1, packed_slots(total, num_seqs, 64), D, N) in scan_bwd_packed's layout (else (0, ...)), so that the
 // unfused path's packed backward serves the fused forward's training step. One stream per (sequence,
 // 64-channel tile), no L split; each sequence's tokens, states and checkpoints as when it runs alone.
-// Only where the kernel is built with -DSELSCAN_FUSED_PACKED (fused_packed_built()).
+// Only where fused_packed_built() (every build but one with -DSELSCAN_FUSED_NO_PACKED).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_packed(
     const at::Tensor& x_in, const at::Tensor& A_log, const at::Tensor& W_delta, const at::Tensor& b_delta,
     const at::Tensor& W_B, const at::Tensor& W_C, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
     const at::Tensor& cu_seqlens, bool return_final_state, bool with_ckpt) {
   TORCH_CHECK(fused_packed_built(), "selscan_fused: this build's fused kernel does not take packed sequences "
-              "(cu_seqlens; built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED only): use impl='unfused'");
+              "(cu_seqlens): it was built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED; use impl='unfused'");
   TORCH_CHECK(x_in.dim() == 3 && x_in.size(0) == 1, "selscan_fused: packed sequences take x of shape (1, "
               "total_tokens, D), got ", x_in.sizes());
   auto [batch, T, Dm, N] = check_layer(x_in, A_log, W_delta, b_delta, W_B, W_C, D, c10::nullopt);
@@ -242,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fwd_packed(
   return {y, hT, ckpt};
 }
 
-// The block's scan on packed sequences (cu_seqlens; built with -DSELSCAN_FUSED_PACKED only): from the
+// The block's scan on packed sequences (cu_seqlens; not in a build with -DSELSCAN_FUSED_NO_PACKED): from the
 // packed conv's output u (1, total, d_inner), x_proj's output xdbl = [dt_low | B | C] (1, total, R + 2N)
 // and the gate z (1, total, d_inner), tokens z_stride apart (the right half of in_proj's output in
 // place): dt_proj on the tensor cores, the scan, D and the gate, as fused_block_fwd's second kernel with
@@ -253,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_block_scan_packed(
     const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& D, const c10::optional<at::Tensor>& h0,
     const at::Tensor& cu_seqlens, bool return_final_state, bool with_ckpt) {
   TORCH_CHECK(fused_packed_built(), "selscan_fused: this build's fused kernel does not take packed sequences "
-              "(cu_seqlens; built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_PACKED only): use impl='unfused'");
+              "(cu_seqlens): it was built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED; use impl='unfused'");
   TORCH_CHECK(u_in.is_cuda(), "selscan_fused: fused_block_scan_packed: u is on ", u_in.device(),
               "; impl='fused' needs CUDA tensors");
   TORCH_CHECK(u_in.dim() == 3 && u_in.size(0) == 1, "selscan_fused: packed sequences take u of shape (1, "
@@ -566,7 +566,7 @@ TORCH_LIBRARY_FRAGMENT(selscan_fused, m) {
         "int ring_stages=0, int channel_tile=0, int bwd_mode=0) -> (Tensor, Tensor)");
   m.def("fused_plan(Tensor x, int dstate, int l_segments, int channel_tile=0) -> int[]");
   // Packed sequences (x (1, total, D), cu_seqlens int32 (num_seqs + 1,)): (y, final states, checkpoints
-  // for scan_bwd_packed); only where fused_packed_built() (the kernel built with -DSELSCAN_FUSED_PACKED).
+  // for scan_bwd_packed); only where fused_packed_built() (not in a build with -DSELSCAN_FUSED_NO_PACKED).
   m.def("fused_fwd_packed(Tensor x, Tensor A_log, Tensor W_delta, Tensor b_delta, Tensor W_B, Tensor W_C, "
         "Tensor D, Tensor? h0, Tensor cu_seqlens, bool return_final_state, bool with_ckpt) -> (Tensor, Tensor, Tensor)");
   m.def("fused_block_scan_packed(Tensor u, Tensor xdbl, Tensor z, Tensor dt_proj_weight, Tensor A_log, "

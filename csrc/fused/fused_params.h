@@ -68,8 +68,8 @@ struct FusedParams {
   // (batch, ckpt_count(L), D, N), or null when no backward will follow.
   float* ckpt = nullptr;
 
-  // Packed sequences (fused_fwd_packed; compiled into the kernel only with -DSELSCAN_FUSED_PACKED, a
-  // development switch until the path is verified on a GPU: docs/design.md, "Packed sequences"): x is
+  // Packed sequences (fused_fwd_packed; compiled into the kernel unless built with
+  // -DSELSCAN_FUSED_NO_PACKED: docs/design.md, "Packed sequences"): x is
   // one row of seqlen = the total tokens (batch 1, n_segments 1), and a stream is (sequence, channel
   // tile): sequence s is tokens cu_seqlens[s] .. cu_seqlens[s+1] - 1 (read on the device, clamped to
   // [0, seqlen]), h0 and final_state are (num_seqs, D, N), and its checkpoints start at slot

@@ -145,9 +145,10 @@ __device__ __forceinline__ void store_vals(T* p, const float (&v)[kCh]) {
   }
 }
 
-// Whether this build takes packed sequences (FusedParams::cu_seqlens): -DSELSCAN_FUSED_PACKED. Without
-// it every packed branch below folds away and the kernel is the batch layout's alone.
-#ifdef SELSCAN_FUSED_PACKED
+// Whether this build takes packed sequences (FusedParams::cu_seqlens): yes, unless built with
+// -DSELSCAN_FUSED_NO_PACKED. With that switch every packed branch below folds away and the kernel is the
+// batch layout's alone (the switch measures what the packed branches cost the batch layout).
+#ifndef SELSCAN_FUSED_NO_PACKED
 constexpr bool kPackedBuild = true;
 #else
 constexpr bool kPackedBuild = false;
