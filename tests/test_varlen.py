@@ -707,14 +707,49 @@ def test_fused_packed_block_against_float64(dtype, poisoned_outputs):
     assert rel_l2(out, out_u) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+PACKED_CUDA_IMPLS = ["unfused", pytest.param("fused", marks=[requires_hopper, requires_fused_packed])]
+
+
 @requires_cuda
 @requires_extension
-def test_packed_block_compiles_and_replays_with_new_cu_seqlens():
+@pytest.mark.parametrize("impl", PACKED_CUDA_IMPLS)
+def test_packed_block_training_step_is_deterministic(impl):
+    """A packed training step (bf16 autocast, sequence starts inside the 128-token tiles, h0 and conv
+    states per sequence) run twice: the output, the final states and every gradient bitwise equal."""
+    fresh_seed()
+    block = make_block(d_model=64, d_state=16, dtype=torch.float32).cuda()
+    block.impl = impl
+    lengths = [100, 1, 250, 1000, 149]
+    S, T = len(lengths), sum(lengths)
+    cu = cu_of(lengths, "cuda")
+    x = torch.randn(1, T, 64, device="cuda")
+    h0 = torch.randn(S, 128, 16, device="cuda")
+    cs = torch.randn(S, 128, 3, device="cuda")
+    g = torch.randn(1, T, 64, device="cuda")
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        xx, hh, cc = (t.clone().requires_grad_() for t in (x, h0, cs))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, h, c = block(xx, h0=hh, conv_state=cc, cu_seqlens=cu, return_final_state=True)
+        (out.float() * g).sum().backward()
+        return [out, h, c, xx.grad, hh.grad, cc.grad] + [p.grad for p in block.parameters()]
+
+    first, second = step(), step()
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.isfinite(a.float()).all(), i
+        assert torch.equal(a, b), i
+
+
+@requires_cuda
+@requires_extension
+@pytest.mark.parametrize("impl", PACKED_CUDA_IMPLS)
+def test_packed_block_compiles_and_replays_with_new_cu_seqlens(impl):
     """torch.compile(fullgraph=True) of a packed training step (validate=False: no host read) equals eager,
     and a CUDA graph captured once replays with new cu_seqlens values (same number of sequences)."""
     fresh_seed()
     block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
-    block.impl = "unfused"
+    block.impl = impl
     T = 500
     x = torch.randn(1, T, 32, device="cuda")
     cu = cu_of([100, 1, 250, 149], "cuda")
@@ -788,13 +823,14 @@ def test_language_model_packed_equals_each_sequence_alone():
 
 @requires_cuda
 @requires_extension
-def test_packed_block_compiled_once_for_any_number_of_sequences():
+@pytest.mark.parametrize("impl", PACKED_CUDA_IMPLS)
+def test_packed_block_compiled_once_for_any_number_of_sequences(impl):
     """torch.compile(dynamic=True) of a packed forward traces once: a call with another number of
     sequences (cu_seqlens of another length) and another packed length reuses the graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
     fresh_seed()
     block = make_block(d_model=32, d_state=16, dtype=torch.float32).cuda()
-    block.impl = "unfused"
+    block.impl = impl
     cnt = CompileCounterWithBackend("inductor")
 
     @torch.compile(backend=cnt, dynamic=True, fullgraph=True)
