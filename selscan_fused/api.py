@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (fake implementations and autograd registration)
-from ._extension import extension_available, fused_extension_available, fused_packed_available, require_extension
+from ._extension import extension_available, fused_extension_available, require_extension
 from ._linear import linear
 from .reference import selective_scan_ref
-from .varlen import (AUTO_VARLEN_MESSAGE, CUDA_VARLEN_MESSAGE, FLOAT_DTYPES, check_cu_seqlens, check_float_tensor,
+from .varlen import (AUTO_VARLEN_MESSAGE, FLOAT_DTYPES, check_cu_seqlens, check_packed_path, check_float_tensor,
                      check_per_sequence, packed_batch_error, run_per_sequence)
 
 IMPLS = ("auto", "fused", "unfused", "reference")
@@ -419,8 +419,8 @@ def selective_scan(
             else:
                 chosen = "reference"
                 warnings.warn(f"selscan_fused: {AUTO_VARLEN_MESSAGE}")
-        elif chosen != "unfused" and not (chosen == "fused" and fused_packed_available()):
-            raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
+        else:
+            check_packed_path(chosen)
     elif impl == "auto" and chosen == "reference" and x.is_cuda:
         warnings.warn("selscan_fused: no CUDA path supports these inputs "
                       f"({unsupported_reason('unfused', x, N)}); impl='auto' runs the slow reference")

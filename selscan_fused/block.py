@@ -36,12 +36,12 @@ from torch import nn
 from . import _ops  # noqa: F401  (fake implementations and autograd of the CUDA ops)
 from ._extension import extension_available, require_extension
 from ._linear import linear
-from ._extension import fused_extension_available, fused_packed_available
+from ._extension import fused_extension_available
 from .api import (FUSED_DIM_MULTIPLE, FUSED_DSTATES, FUSED_MAX_COUNT, FUSED_MAX_DIM, IMPLS, UNFUSED_DIM_MULTIPLE,
                   ScanConfig, _sm90, check_config, cuda_input_reason, is_int, unfused_dstate_reason)
 from .block_reference import mamba_block_ref
 from .conv import causal_conv1d, causal_conv1d_packed
-from .varlen import (CUDA_VARLEN_MESSAGE, check_cu_seqlens, check_per_sequence,
+from .varlen import (check_cu_seqlens, check_packed_path, check_per_sequence,
                      packed_batch_error, run_per_sequence)
 
 __all__ = ["Mamba", "mamba_block", "resolve_block_impl", "BLOCK_D_CONVS", "conv_tail"]
@@ -260,8 +260,8 @@ def mamba_block(
         x = x.to(torch.get_autocast_dtype("cuda"))
     # 'auto' gives 'unfused' or 'reference', the paths that take packed sequences too
     chosen = resolve_block_impl(impl, x, d_inner, N, W)
-    if packed and chosen not in ("reference", "unfused") and not (chosen == "fused" and fused_packed_available()):
-        raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
+    if packed:
+        check_packed_path(chosen)
     cfg = config or ScanConfig()
     if cfg.fused_switches():  # on every path
         raise ValueError("selscan_fused: ScanConfig's exp_poly, ring_stages, channel_tile and fused_backward "

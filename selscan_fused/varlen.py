@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from ._extension import fused_packed_available
+
 __all__ = ["check_cu_seqlens", "sequence_bounds"]
 
 
@@ -117,6 +119,15 @@ CUDA_VARLEN_MESSAGE = ("cu_seqlens (packed sequences) runs on impl='unfused' and
                        "impl='fused' only where the fused kernel's extension is loaded (CUDA tensors, Hopper) and "
                        "was not built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED: here it is not "
                        "(selscan_fused._extension.fused_packed_available() is False)")
+
+
+def check_packed_path(chosen: str) -> None:
+    """Raises, naming the paths that take them, unless path `chosen` takes packed sequences: 'reference'
+    and 'unfused' always, 'fused' where its kernel was built with them (fused_packed_available())."""
+    if chosen not in ("reference", "unfused") and not (chosen == "fused" and fused_packed_available()):
+        raise ValueError(f"selscan_fused: {CUDA_VARLEN_MESSAGE}")
+
+
 AUTO_VARLEN_MESSAGE = ("impl='auto' runs these packed sequences (cu_seqlens) on the slow reference: the unfused "
                        "path, whose kernels run packed sequences, does not take these inputs (or the extension "
                        "is not built)")
