@@ -53,6 +53,7 @@ def fused_extension_available() -> bool:
     return _fused is not None
 
 
+@torch.compiler.assume_constant_result  # as api._sm90: a compiled caller neither guards on nor retraces the cache
 def fused_packed_available() -> bool:
     """True when the fused kernel takes packed sequences (cu_seqlens): its extension is loaded and was
     not built with SELSCAN_FUSED_NVCC_FLAGS=-DSELSCAN_FUSED_NO_PACKED (the switch that leaves the batch

@@ -32,6 +32,7 @@ FUSED_FP32_MIN_TOKENS = 4096
 _is_sm90: dict = {}  # device index -> whether it is an sm_90 GPU (H100/H200)
 
 
+@torch.compiler.assume_constant_result  # torch.compile bakes in the answer: no guard on the cache, no recompile
 def _sm90(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _is_sm90:

@@ -821,6 +821,27 @@ def test_language_model_packed_equals_each_sequence_alone():
     torch.testing.assert_close(last[0], logits[0, cu[1:].long() - 1], rtol=1e-12, atol=1e-12)
 
 
+def test_cached_path_queries_do_not_retrace_a_compiled_caller(monkeypatch):
+    """The front ends' cached questions (is the GPU an sm_90, does the fused kernel take packed sequences)
+    fill their cache on the first call; a compiled caller whose first call fills it must not guard on
+    the cache and retrace at the second (the fused packed block's compile-once test caught this in a
+    fresh process). Runs on the CPU: the GPU's answer is faked."""
+    from torch._dynamo.testing import CompileCounter
+    import selscan_fused._extension as ext
+    from selscan_fused import api
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
+    for query, reset in ((lambda: api._sm90(torch.device("cuda", 0)), lambda: monkeypatch.setattr(api, "_is_sm90", {})),
+                         (ext.fused_packed_available, lambda: monkeypatch.setattr(ext, "_fused_packed", None))):
+        reset()
+        torch._dynamo.reset()
+        cnt = CompileCounter()
+        f = torch.compile(lambda t: t + 1 if query() else t - 1, backend=cnt, fullgraph=True, dynamic=True)
+        for n in (5, 6, 7):
+            f(torch.randn(n))
+        assert cnt.frame_count == 1, cnt.frame_count
+    torch._dynamo.reset()
+
+
 @requires_cuda
 @requires_extension
 @pytest.mark.parametrize("impl", PACKED_CUDA_IMPLS)
