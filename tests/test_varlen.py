@@ -830,12 +830,15 @@ def test_cached_path_queries_do_not_retrace_a_compiled_caller(monkeypatch):
     import selscan_fused._extension as ext
     from selscan_fused import api
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
-    for query, reset in ((lambda: api._sm90(torch.device("cuda", 0)), lambda: monkeypatch.setattr(api, "_is_sm90", {})),
-                         (ext.fused_packed_available, lambda: monkeypatch.setattr(ext, "_fused_packed", None))):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the CPU tensor's device has no index
+    # as the front ends ask: of the compiled function's input's device
+    for query, reset in ((lambda t: api._sm90(t.device), lambda: monkeypatch.setattr(api, "_is_sm90", {})),
+                         (lambda t: ext.fused_packed_available(),
+                          lambda: monkeypatch.setattr(ext, "_fused_packed", None))):
         reset()
         torch._dynamo.reset()
         cnt = CompileCounter()
-        f = torch.compile(lambda t: t + 1 if query() else t - 1, backend=cnt, fullgraph=True, dynamic=True)
+        f = torch.compile(lambda t: t + 1 if query(t) else t - 1, backend=cnt, fullgraph=True, dynamic=True)
         for n in (5, 6, 7):
             f(torch.randn(n))
         assert cnt.frame_count == 1, cnt.frame_count
